@@ -1,0 +1,114 @@
+"""The project's errors: one root class, one small subclass per rule.
+
+Every error a user can cause (a plan, a model file, a flag) is an ``SsdslError``. The command line
+prints it as ``plan.ssp:12:7: message``, the source line, carets under the span, and an optional
+hint, then exits with status 2. Phases that find several independent faults raise ``ErrorGroup``
+(sorted by position) instead of stopping at the first.
+
+Subclasses live next to the rule that raises them (``ssdsl.parse.errors``, ...); they only need a
+class docstring and, when useful, a default ``hint``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ssdsl.source import Span
+
+
+class SsdslError(Exception):
+    """Root of every error caused by user input; the CLI shows these without a traceback."""
+
+    def __init__(self, message: str, span: Span | None = None, *, hint: str | None = None,
+                 file: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.span = span
+        self.hint = hint
+        # For faults located in a file but not at a line (a model file missing a function, say).
+        self.file = file if file is not None else (span.file if span else None)
+
+    def sort_key(self) -> tuple:
+        s = self.span
+        return (s.file, s.line, s.column) if s else (self.file or "", 0, 0)
+
+    def render(self) -> str:
+        """The text the command line prints."""
+        if self.span is not None:
+            head = f"{self.span}: {self.message}"
+        elif self.file:
+            head = f"{self.file}: {self.message}"
+        else:
+            head = f"error: {self.message}"
+        parts = [head]
+        if self.span is not None:
+            excerpt = self.span.excerpt()
+            if excerpt:
+                parts.append(excerpt)
+        if self.hint:
+            parts.append(f"hint: {self.hint}")
+        return "\n".join(parts)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+class ErrorGroup(SsdslError):
+    """Several independent errors of one input, reported together in source order."""
+
+    def __init__(self, errors: Iterable[SsdslError]) -> None:
+        flat: list[SsdslError] = []
+        for err in errors:
+            flat.extend(err.errors if isinstance(err, ErrorGroup) else [err])
+        self.errors = sorted(flat, key=SsdslError.sort_key)
+        first = self.errors[0] if self.errors else None
+        super().__init__(f"{len(self.errors)} errors", first.span if first else None)
+
+    def render(self) -> str:
+        return "\n\n".join(e.render() for e in self.errors)
+
+
+class UsageError(SsdslError):
+    """A bad command-line flag or argument."""
+
+
+class ErrorCollector:
+    """Collects independent errors in one phase; ``raise_if_any`` raises them together.
+
+    Usage::
+
+        errors = ErrorCollector()
+        for stmt in stmts:
+            with errors.catch():
+                check(stmt)
+        errors.raise_if_any()
+    """
+
+    def __init__(self) -> None:
+        self.errors: list[SsdslError] = []
+
+    def add(self, error: SsdslError) -> None:
+        self.errors.append(error)
+
+    def catch(self) -> _Catch:
+        return _Catch(self)
+
+    def raise_if_any(self) -> None:
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise ErrorGroup(self.errors)
+
+
+class _Catch:
+    def __init__(self, collector: ErrorCollector) -> None:
+        self.collector = collector
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if isinstance(exc, SsdslError):
+            self.collector.add(exc)
+            return True
+        return False

@@ -1,0 +1,71 @@
+"""Source positions: every AST and IR node that came from a plan carries a frozen ``Span``.
+
+``Span.from_meta`` is the one helper that turns Lark's ``meta`` (``propagate_positions=True``)
+into a position; ``SourceFile`` keeps the text so that errors can show the line with carets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+# Text of every plan file read in this process, by the name spans use, so an error raised far
+# from the parser can still print its source line.
+_TEXTS: dict[str, str] = {}
+
+
+def remember_source(name: str, text: str) -> None:
+    """Record ``text`` as the content of ``name`` for later error rendering."""
+    _TEXTS[name] = text
+
+
+def source_text(name: str) -> str | None:
+    """The text recorded for ``name``, or ``None`` when it was never read."""
+    return _TEXTS.get(name)
+
+
+@attrs.frozen(order=True)
+class Span:
+    """A region of a source file; lines and columns are 1-based, ``end_column`` is exclusive."""
+
+    file: str
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+
+    @classmethod
+    def from_meta(cls, file: str, meta: Any) -> Span:
+        """Build a span from a Lark ``meta`` or token (anything with line/column attributes)."""
+        line = getattr(meta, "line", None) or 1
+        column = getattr(meta, "column", None) or 1
+        end_line = getattr(meta, "end_line", None) or line
+        end_column = getattr(meta, "end_column", None) or column + 1
+        return cls(file, line, column, end_line, end_column)
+
+    @classmethod
+    def point(cls, file: str, line: int, column: int, width: int = 1) -> Span:
+        """A span of ``width`` characters on one line."""
+        return cls(file, line, column, line, column + width)
+
+    def to(self, other: Span) -> Span:
+        """The span from the start of ``self`` to the end of ``other``."""
+        return attrs.evolve(self, end_line=other.end_line, end_column=other.end_column)
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}"
+
+    def excerpt(self) -> str:
+        """The first source line of the span with carets under it ('' when the text is unknown)."""
+        text = source_text(self.file)
+        if text is None:
+            return ""
+        lines = text.splitlines()
+        if not 1 <= self.line <= len(lines):
+            return ""
+        src = lines[self.line - 1]
+        end = self.end_column if self.end_line == self.line else len(src) + 1
+        width = max(1, end - self.column)
+        gutter = f"{self.line:>4} | "
+        return f"{gutter}{src}\n{' ' * len(gutter)}{' ' * (self.column - 1)}{'^' * width}"
