@@ -1,0 +1,409 @@
+"""Start N local ranks, collect what each returns, and end the whole job when one of them fails.
+
+``launch(worker, nproc=N, args=...)`` runs ``worker(*args, **kwargs)`` in N fresh Python processes
+that rendezvous on loopback (env:// with ``MASTER_ADDR=127.0.0.1``; the launcher hosts the store on
+a port the OS picks, as torchrun's agent does, so two jobs never race for a port). It returns the N
+return values in rank order. A worker learns its rank from the environment
+(``ssdsl.runtime.dist.RankEnv.from_environ()``), exactly as under torchrun, so the same worker runs
+under ``torchrun`` too: there the caller checks ``under_torchrun()`` and calls
+``resolve_worker(worker)(*args)`` in-process instead of launching.
+
+Failure handling, the point of this module:
+
+- a rank that raises, exits non-zero, or is killed by a signal ends the job: every other rank is
+  sent SIGTERM, then SIGKILL after ``grace_s``; ``launch`` raises ``RankFailed`` naming the rank
+  that caused it, with its error text (and its traceback as the ``__cause__``, for ``--debug``);
+- a rank that hangs makes its peers' collectives time out (``ssdsl.runtime.dist`` bounds them), so
+  it is reported through them; ``timeout_s`` bounds the whole job as a last resort (``JobTimeout``);
+- no orphans: each rank leads its own process group (killed as a group, so its children go too, and
+  a Ctrl-C reaching the launcher kills them all), and asks the kernel to SIGKILL it if the launcher
+  itself dies (``PR_SET_PDEATHSIG``).
+
+Workers can stream small records (per-step metrics) to the launcher with ``report_event(obj)``;
+``launch(..., on_event=fn)`` calls ``fn(rank, obj)`` in the launcher as they arrive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import pickle
+import re
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ssdsl.errors import SsdslError
+
+Worker = str | Callable[..., Any]
+EventHandler = Callable[[int, Any], None]
+
+_POLL_S = 0.02
+# After the first failure, wait this long for other ranks to fail too, so the report can name the
+# rank that caused it (an exception) rather than a peer that only saw its socket close.
+_SETTLE_S = 0.5
+_LAUNCH_DIR_VAR = "SSDSL_LAUNCH_DIR"
+_LAUNCHER_PID_VAR = "SSDSL_LAUNCHER_PID"
+
+
+class LaunchError(SsdslError):
+    """A launched job could not start or did not finish."""
+
+
+class WorkerNotFound(LaunchError):
+    """A ``module:function`` worker name that does not resolve to a callable."""
+
+
+class RankFailed(LaunchError):
+    """A rank raised, exited with an error, or was killed; the job was ended because of it."""
+
+    def __init__(self, failure: RankFailure, *, others: Sequence[RankFailure] = (),
+                 still_running: Sequence[int] = ()) -> None:
+        self.failure = failure
+        self.others = tuple(others)
+        self.still_running = tuple(still_running)
+        super().__init__(f"rank {failure.rank} failed: {_clean(failure.summary)}",
+                         hint=_failure_hint(failure, self.others, self.still_running))
+        self.rank = failure.rank
+        if failure.traceback:
+            self.__cause__ = RemoteTraceback(failure.rank, failure.traceback)
+
+
+class JobTimeout(LaunchError):
+    """The job ran past the launcher's ``timeout_s``; all ranks were ended."""
+
+
+class RemoteTraceback(Exception):
+    """A rank's traceback, chained under ``RankFailed`` so that ``--debug`` shows where it failed."""
+
+    def __init__(self, rank: int, text: str) -> None:
+        super().__init__(f"traceback of rank {rank}:\n{text}")
+
+
+@attrs.frozen
+class RankFailure:
+    """How one rank failed. ``kind``: ``exception``, ``signal`` or ``exit``; ``at``: wall time."""
+
+    rank: int
+    kind: str
+    summary: str
+    traceback: str = ""
+    at: float = 0.0
+
+    @property
+    def is_consequence(self) -> bool:
+        """A communication error seen because some *other* rank died or stopped answering."""
+        return self.kind == "exception" and bool(_PEER_FAULT.search(self.summary))
+
+
+# Messages gloo, nccl and the TCP store give when a peer is gone or silent; they blame the wrong rank.
+_PEER_FAULT = re.compile(r"Connection (closed|reset) by peer|Broken pipe|[Tt]imed? ?out|"
+                         r"DistNetworkError|DistBackendError|ECONNRESET|EPIPE|"
+                         r"Socket Timeout|NCCL communicator was aborted")
+
+
+def _failure_hint(failure: RankFailure, others: Sequence[RankFailure],
+                  still_running: Sequence[int]) -> str | None:
+    notes = []
+    if others:
+        notes.append("then " + ", ".join(f"rank {o.rank} ({_short(o.summary)})" for o in others))
+    if still_running:
+        notes.append(f"rank{'s' if len(still_running) > 1 else ''} "
+                     f"{', '.join(map(str, still_running))} did not finish and "
+                     f"{'were' if len(still_running) > 1 else 'was'} stopped "
+                     "(a rank that stops answering makes its peers time out)")
+    if failure.traceback:
+        notes.append("run with --debug for the rank's traceback")
+    return "; ".join(notes) or None
+
+
+def _clean(summary: str) -> str:
+    """The message without the C++ source location gloo puts in front of it."""
+    return re.sub(r"\[[^\]\n]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", summary)
+
+
+def _short(summary: str) -> str:
+    line = _clean(summary).splitlines()[0] if summary else ""
+    return line if len(line) <= 100 else line[:97] + "..."
+
+
+def under_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """True when this process is already one rank of a job (torchrun, or a rank ``launch`` started).
+
+    The caller then runs the worker in-process instead of launching processes of its own.
+    """
+    env = os.environ if environ is None else environ
+    return all(name in env for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+
+
+def resolve_worker(worker: Worker) -> Callable[..., Any]:
+    """The callable named by ``"package.module:function"``, or ``worker`` itself if callable."""
+    if callable(worker):
+        return worker
+    module_name, sep, attr = worker.partition(":")
+    if not sep or not module_name or not attr:
+        raise WorkerNotFound(f"worker {worker!r} is not of the form 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise WorkerNotFound(f"cannot find worker {worker!r}: {exc}") from exc
+    if not callable(obj):
+        raise WorkerNotFound(f"worker {worker!r} is not callable")
+    return obj
+
+
+def report_event(obj: Any) -> None:
+    """Send a small picklable record to the launcher's ``on_event``; a no-op outside ``launch``."""
+    launch_dir = os.environ.get(_LAUNCH_DIR_VAR)
+    if not launch_dir:
+        return
+    data = pickle.dumps(obj)
+    path = Path(launch_dir) / f"rank{os.environ['RANK']}.events"
+    # One write per record under O_APPEND: the launcher never sees a record cut by a second writer.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, struct.pack("<I", len(data)) + data)
+    finally:
+        os.close(fd)
+
+
+def launch(worker: Worker, *, nproc: int, args: Sequence[Any] = (),
+           kwargs: Mapping[str, Any] | None = None, timeout_s: float | None = None,
+           grace_s: float = 3.0, on_event: EventHandler | None = None,
+           env: Mapping[str, str] | None = None) -> list[Any]:
+    """Run ``worker(*args, **kwargs)`` on ``nproc`` local ranks; their return values in rank order.
+
+    ``worker`` is ``"module:function"`` or a picklable callable (a module-level function); args,
+    kwargs and the return value must pickle. ``env`` adds variables to the ranks' environment.
+    Raises ``RankFailed`` when a rank fails and ``JobTimeout`` after ``timeout_s`` seconds.
+
+    Example::
+
+        losses = launch("mypkg.train:worker", nproc=4, args=("model.py",), timeout_s=600)
+    """
+    if nproc < 1:
+        raise LaunchError(f"--nproc must be at least 1, not {nproc}")
+    if isinstance(worker, str):
+        resolve_worker(worker)  # fail in the launcher, once, rather than in every rank
+    payload = pickle.dumps({"worker": worker, "args": tuple(args), "kwargs": dict(kwargs or {}),
+                            "sys_path": list(sys.path)})
+    with tempfile.TemporaryDirectory(prefix="ssdsl-launch-") as tmp:
+        job = _Job(Path(tmp), nproc=nproc, grace_s=grace_s, on_event=on_event)
+        (job.dir / "payload.pkl").write_bytes(payload)
+        store = _host_store()
+        try:
+            job.start(_rank_env(env, nproc=nproc, port=store.port, launch_dir=job.dir))
+            return job.wait(timeout_s)
+        finally:
+            job.kill_all()
+            del store
+
+
+def _host_store() -> Any:
+    """A TCP store on a port the OS picks; the ranks join it as clients (torchrun's agent store)."""
+    from torch.distributed import TCPStore  # torch is heavy; only the launcher needs it here
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def _rank_env(extra: Mapping[str, str] | None, *, nproc: int, port: int,
+              launch_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra or {})
+    env.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc), "TORCHELASTIC_USE_AGENT_STORE": "True",
+        _LAUNCH_DIR_VAR: str(launch_dir), _LAUNCHER_PID_VAR: str(os.getpid()),
+    })
+    # N ranks each using every core oversubscribe the CPU badly; torchrun makes the same choice.
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    return env
+
+
+class _Job:
+    """The launcher's mutable view of the running ranks (lives only inside ``launch``)."""
+
+    def __init__(self, directory: Path, *, nproc: int, grace_s: float,
+                 on_event: EventHandler | None) -> None:
+        self.dir = directory
+        self.nproc = nproc
+        self.grace_s = grace_s
+        self.on_event = on_event
+        self.procs: list[subprocess.Popen] = []
+        self.event_offsets = [0] * nproc
+        self.killed_by_us: set[int] = set()
+
+    def start(self, env: dict[str, str]) -> None:
+        code = "from ssdsl.runtime.launch import _rank_main; _rank_main()"
+        for rank in range(self.nproc):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+            self.procs.append(subprocess.Popen([sys.executable, "-c", code], env=rank_env,
+                                               start_new_session=True))
+
+    def wait(self, timeout_s: float | None) -> list[Any]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.pump_events()
+            codes = [p.poll() for p in self.procs]
+            if any(c not in (None, 0) for c in codes):
+                self.fail()
+            if all(c == 0 for c in codes):
+                self.pump_events()
+                return [self.result(rank) for rank in range(self.nproc)]
+            if deadline is not None and time.monotonic() > deadline:
+                running = [r for r, c in enumerate(codes) if c is None]
+                self.kill_all()
+                raise JobTimeout(f"the job ran past its time limit of {timeout_s:g} s; "
+                                 f"rank{'s' if len(running) > 1 else ''} "
+                                 f"{', '.join(map(str, running))} still running were stopped")
+            time.sleep(_POLL_S)
+
+    def fail(self) -> None:
+        """Let the failure settle, stop the rest, and raise ``RankFailed`` for the likeliest cause."""
+        settle_end = time.monotonic() + _SETTLE_S
+        while time.monotonic() < settle_end and any(p.poll() is None for p in self.procs):
+            time.sleep(_POLL_S)
+        running = [r for r, p in enumerate(self.procs) if p.poll() is None]
+        self.pump_events()
+        self.kill_all()
+        failures = [f for r in range(self.nproc) if r not in running
+                    for f in [self.failure(r)] if f is not None]
+        # The cause: a rank whose fault is its own (not a peer's socket error), earliest first.
+        failures.sort(key=lambda f: (f.is_consequence, f.at, f.rank))
+        raise RankFailed(failures[0], others=failures[1:], still_running=running)
+
+    def failure(self, rank: int) -> RankFailure | None:
+        code = self.procs[rank].returncode
+        outcome = self._outcome(rank)
+        if outcome is not None and outcome[0] == "error":
+            _, summary, tb, at = outcome
+            return RankFailure(rank, "exception", summary, tb, at)
+        if code == 0:
+            return None
+        if code < 0:
+            return RankFailure(rank, "signal", f"killed by signal {_signal_name(-code)}",
+                               at=time.time())
+        return RankFailure(rank, "exit", f"exited with status {code}", at=time.time())
+
+    def result(self, rank: int) -> Any:
+        outcome = self._outcome(rank)
+        if outcome is None:
+            raise RankFailed(RankFailure(rank, "exit", "exited without returning a result "
+                                         "(did the worker call sys.exit(0) or os._exit?)"))
+        if outcome[0] == "error":
+            raise RankFailed(RankFailure(rank, "exception", outcome[1], outcome[2], outcome[3]))
+        return outcome[1]
+
+    def _outcome(self, rank: int) -> tuple | None:
+        path = self.dir / f"rank{rank}.result"
+        return pickle.loads(path.read_bytes()) if path.exists() else None
+
+    def pump_events(self) -> None:
+        if self.on_event is None:
+            return
+        for rank in range(self.nproc):
+            path = self.dir / f"rank{rank}.events"
+            if not path.exists():
+                continue
+            with open(path, "rb") as f:
+                f.seek(self.event_offsets[rank])
+                data = f.read()
+            used = 0
+            while len(data) - used >= 4:
+                (size,) = struct.unpack_from("<I", data, used)
+                if len(data) - used - 4 < size:
+                    break  # the rest of this record is still being written
+                self.on_event(rank, pickle.loads(data[used + 4:used + 4 + size]))
+                used += 4 + size
+            self.event_offsets[rank] += used
+
+    def kill_all(self) -> None:
+        """SIGTERM every live rank's process group, then SIGKILL what is left after the grace."""
+        live = [p for p in self.procs if p.poll() is None]
+        for p in live:
+            _signal_group(p, signal.SIGTERM)
+        end = time.monotonic() + self.grace_s
+        while time.monotonic() < end and any(p.poll() is None for p in live):
+            time.sleep(_POLL_S)
+        for p in self.procs:
+            # Also the groups of ranks that already exited: a child they forked may linger.
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"{number} ({signal.Signals(number).name})"
+    except ValueError:
+        return str(number)
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ----------------------------------------------------------------------------- inside a rank
+
+
+def _rank_main() -> None:
+    """Entry point of a launched rank: run the worker, write its outcome, exit."""
+    _die_with_launcher(int(os.environ[_LAUNCHER_PID_VAR]))
+    launch_dir = Path(os.environ[_LAUNCH_DIR_VAR])
+    rank = int(os.environ["RANK"])
+    outcome = _run_payload(launch_dir / "payload.pkl")
+    try:
+        data = pickle.dumps(outcome)
+    except Exception as exc:
+        outcome = _error_outcome(TypeError(f"the worker's return value does not pickle: {exc}"))
+        data = pickle.dumps(outcome)
+    tmp = launch_dir / f"rank{rank}.result.tmp"
+    tmp.write_bytes(data)
+    tmp.rename(launch_dir / f"rank{rank}.result")  # atomic: the launcher never reads half a file
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: destructors of a process group whose peers died can block.
+    os._exit(0 if outcome[0] == "ok" else 1)
+
+
+def _run_payload(path: Path) -> tuple:
+    try:
+        payload = pickle.loads(path.read_bytes())
+        sys.path[:] = payload["sys_path"]
+        worker = resolve_worker(payload["worker"])
+        return ("ok", worker(*payload["args"], **payload["kwargs"]))
+    except BaseException as exc:  # noqa: BLE001 - a rank reports every failure, even SystemExit
+        return _error_outcome(exc)
+
+
+def _error_outcome(exc: BaseException) -> tuple:
+    if isinstance(exc, SsdslError):
+        summary = exc.render()
+    else:
+        summary = f"{type(exc).__name__}: {exc}"
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return ("error", summary, tb, time.time())
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """Ask Linux to SIGKILL this rank when the launcher dies, so no rank outlives it."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != launcher_pid:  # the launcher died before the request took effect
+        os._exit(1)
