@@ -1,0 +1,190 @@
+"""Static checks of a pipeline schedule: every unit exactly once, on its device, after its data.
+
+Rules, in the order they run (later rules assume the earlier ones passed):
+
+1. every unit names an existing stage, micro-batch and pass (``UnknownUnit``) and sits on the
+   device that hosts its stage (``MisplacedUnit``);
+2. no unit appears twice (``DuplicateUnit``) and none is missing (``MissingUnit``);
+3. on one device, no unit comes before a unit it depends on (``OrderAgainstData``; the most common
+   case, a backward before its own forward, is ``ForwardAfterBackward``);
+4. once every cross-device dependency is a send matched with its receive, no set of devices waits
+   for each other (``Deadlock``, in ``ssdsl.check.deadlock``).
+
+Each error carries the span of the order statement(s) that placed the units involved; independent
+errors of one rule are reported together (``ErrorGroup``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+
+from ssdsl.errors import ErrorCollector, SsdslError
+from ssdsl.schedule.deps import data_deps
+from ssdsl.schedule.units import Pass, Program, Schedule, Unit
+from ssdsl.source import Span
+
+_PASS_NAME = {Pass.F: "forward", Pass.B: "backward", Pass.I: "input-gradient",
+              Pass.W: "weight-gradient"}
+
+
+class ScheduleError(SsdslError):
+    """A schedule that cannot run. ``spans`` are the statements involved, the one to blame first
+    (``span``); the others are listed in the hint so a user sees both ends of a conflict."""
+
+    def __init__(self, message: str, spans: Iterable[Span | None] = (), *,
+                 hint: str | None = None) -> None:
+        self.spans = tuple(dict.fromkeys(s for s in spans if s is not None))
+        others = ", ".join(f"line {s.line}:{s.column}" for s in self.spans[1:])
+        if others:
+            hint = f"{hint}; see also {others}" if hint else f"see also {others}"
+        super().__init__(message, self.spans[0] if self.spans else None, hint=hint)
+
+
+class UnknownUnit(ScheduleError):
+    """A unit names a stage, micro-batch or pass the schedule does not have."""
+
+
+class MisplacedUnit(ScheduleError):
+    """A unit is ordered on a device that does not host its stage."""
+
+
+class DuplicateUnit(ScheduleError):
+    """A unit is ordered twice: it would run its micro-batch twice."""
+
+
+class MissingUnit(ScheduleError):
+    """Some micro-batches of a stage have no unit for a pass: their gradients would be lost."""
+
+
+class OrderAgainstData(ScheduleError):
+    """A unit is ordered before a unit on the same device whose result it needs."""
+
+
+class ForwardAfterBackward(OrderAgainstData):
+    """A backward is ordered before the forward of the same stage and micro-batch."""
+
+
+def describe(unit: Unit) -> str:
+    """``'backward of stage 1, micro-batch 3 (1B3)'``."""
+    return f"{_PASS_NAME[unit.kind]} of stage {unit.stage}, micro-batch {unit.mb} ({unit})"
+
+
+def _mbs(mbs: list[int]) -> str:
+    """Micro-batch numbers as short ranges: ``0..2, 5`` (ranges are inclusive here)."""
+    parts: list[str] = []
+    start = prev = mbs[0]
+    for m in mbs[1:] + [None]:  # type: ignore[list-item]
+        if m is not None and m == prev + 1:
+            prev = m
+            continue
+        parts.append(str(start) if start == prev else f"{start}..{prev}")
+        if m is not None:
+            start = prev = m
+    return ", ".join(parts)
+
+
+def _check_unit_known(schedule: Schedule, prog: Program, k: int) -> None:
+    unit, span = prog.units[k], prog.spans[k]
+    g = schedule.stages
+    if not 0 <= unit.stage < g.num_stages:
+        raise UnknownUnit(f"unit {unit} names stage {unit.stage}, but the plan has stages "
+                          f"0..{g.num_stages - 1}", [span])
+    if not 0 <= unit.mb < schedule.microbatches:
+        raise UnknownUnit(f"unit {unit} names micro-batch {unit.mb}, but there are micro-batches "
+                          f"0..{schedule.microbatches - 1}", [span])
+    if unit.kind not in schedule.passes():
+        names = ", ".join(p.value for p in schedule.passes())
+        raise UnknownUnit(f"unit {unit} runs pass {unit.kind.value}, but this schedule's passes "
+                          f"are {names}", [span],
+                          hint="split backwards (I and W) and whole ones (B) cannot be mixed")
+    host = g.devices[unit.stage]
+    if host != prog.device:
+        raise MisplacedUnit(f"{describe(unit)} is ordered on device {prog.device}, but stage "
+                            f"{unit.stage} is assigned to device {host}", [span],
+                            hint=f"order it on device {host}, or assign the stage here")
+
+
+def _check_known(schedule: Schedule) -> None:
+    errors = ErrorCollector()
+    for prog in schedule.programs:
+        for k in range(len(prog)):
+            with errors.catch():
+                _check_unit_known(schedule, prog, k)
+    errors.raise_if_any()
+
+
+def _first_spans(schedule: Schedule) -> dict[Unit, Span | None]:
+    seen: dict[Unit, Span | None] = {}
+    errors = ErrorCollector()
+    for prog in schedule.programs:
+        for unit, span in zip(prog.units, prog.spans):
+            if unit in seen:
+                errors.add(DuplicateUnit(
+                    f"{describe(unit)} is ordered twice on device {prog.device}",
+                    [span, seen[unit]], hint="each micro-batch runs each pass of a stage once"))
+            else:
+                seen[unit] = span
+    errors.raise_if_any()
+    return seen
+
+
+def _stage_span(schedule: Schedule, seen: dict[Unit, Span | None], stage: int) -> Span | None:
+    # A missing unit has no statement of its own: blame the statement that ordered the stage's
+    # other units, else any order statement of its device.
+    spans = [s for u, s in seen.items() if u.stage == stage and s is not None]
+    if spans:
+        return min(spans)
+    prog = schedule.programs[schedule.stages.devices[stage]]
+    return min((s for s in prog.spans if s is not None), default=None)
+
+
+def _check_complete(schedule: Schedule, seen: dict[Unit, Span | None]) -> None:
+    missing: dict[tuple[int, Pass], list[int]] = defaultdict(list)
+    for s in range(schedule.stages.num_stages):
+        for kind in schedule.passes():
+            for m in range(schedule.microbatches):
+                if Unit(s, kind, m) not in seen:
+                    missing[(s, kind)].append(m)
+    errors = ErrorCollector()
+    for (s, kind), mbs in sorted(missing.items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
+        word = "micro-batch" if len(mbs) == 1 else "micro-batches"
+        errors.add(MissingUnit(
+            f"stage {s} has no {_PASS_NAME[kind]} for {word} {_mbs(mbs)} "
+            f"(device {schedule.stages.devices[s]})", [_stage_span(schedule, seen, s)],
+            hint=f"order every micro-batch 0..{schedule.microbatches - 1} of every stage"))
+    errors.raise_if_any()
+
+
+def _order_violations(schedule: Schedule, prog: Program) -> Iterator[ScheduleError]:
+    pos = {u: k for k, u in enumerate(prog.units)}
+    for k, unit in enumerate(prog.units):
+        for dep in data_deps(unit, schedule.stages, split_backward=schedule.split_backward):
+            j = pos.get(dep)
+            if j is None or j < k:
+                continue  # on another device (a message), or correctly earlier
+            cls = (ForwardAfterBackward if dep.kind is Pass.F and dep.stage == unit.stage
+                   else OrderAgainstData)
+            yield cls(f"{describe(unit)} is ordered at step {k} on device {prog.device}, before "
+                      f"{describe(dep)} at step {j}, whose result it needs",
+                      [prog.spans[k], prog.spans[j]],
+                      hint=f"move {unit} after {dep}")
+
+
+def _check_order(schedule: Schedule) -> None:
+    errors = ErrorCollector()
+    for prog in schedule.programs:
+        for err in _order_violations(schedule, prog):
+            errors.add(err)
+    errors.raise_if_any()
+
+
+def check_structure(schedule: Schedule) -> None:
+    """Rules 1 to 3: raise the first rule's errors (all of them) when any unit breaks it."""
+    if len(schedule.programs) < schedule.stages.num_devices:
+        raise MisplacedUnit(f"stages are assigned to {schedule.stages.num_devices} devices but "
+                            f"only {len(schedule.programs)} programs were given")
+    _check_known(schedule)
+    seen = _first_spans(schedule)
+    _check_complete(schedule, seen)
+    _check_order(schedule)

@@ -1,0 +1,8 @@
+"""Phase 5, schedule: micro-batches, stages, units of work and the per-device program order.
+
+- ``units``: ``Unit`` (``2F3``), ``Program``, ``StageGraph``, ``Schedule`` (graph-independent values);
+- ``deps``: data dependencies between units from the stage DAG, cross-device ``Message``s;
+- ``builders``: GPipe, 1F1B, interleaved 1F1B built in Python (oracles, defaults);
+- ``simulate``: event simulation: timelines, bubble ratio, peak live activations;
+- ``grid`` and ``picture``: text grids and SVG timelines.
+"""

@@ -1,0 +1,87 @@
+"""The standard pipeline schedules, built directly in Python.
+
+These are oracles for tests and defaults for tools: they do not read the stdlib ``.ssp`` plans,
+so a test can compare what a plan lowers to against an independent construction.
+
+- ``gpipe``: every forward, then every backward (GPipe).
+- ``one_f_one_b``: warm-up forwards, then alternate one forward and one backward (PipeDream-flush,
+  Megatron's default).
+- ``interleaved_1f1b``: Megatron's interleaved schedule, device d hosting stages d, d+p, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ssdsl.schedule.units import B, F, Program, Schedule, StageGraph, Unit
+
+
+def _schedule(stages: StageGraph, m: int, per_device: Iterable[Iterable[Unit]]) -> Schedule:
+    return Schedule(stages, m, [Program.of(d, units) for d, units in enumerate(per_device)])
+
+
+def gpipe(p: int, m: int, *, stages: StageGraph | None = None) -> Schedule:
+    """GPipe on ``p`` devices with ``m`` micro-batches: all forwards, then all backwards.
+
+    With ``stages`` (any stage DAG, skip edges and several stages per device allowed) each device
+    runs the forwards of its stages in micro-batch order, then their backwards in the same order.
+    """
+    g = stages or StageGraph.chain(range(p))
+    progs = []
+    for d in range(g.num_devices):
+        mine = g.stages_on(d)
+        fwd = [F(s, i) for i in range(m) for s in mine]
+        bwd = [B(s, i) for i in range(m) for s in reversed(mine)]
+        progs.append(fwd + bwd)
+    return _schedule(g, m, progs)
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B on a chain of ``p`` stages, stage d on device d.
+
+    Device d first runs ``min(p - d - 1, m)`` forwards, then alternates forward and backward, then
+    drains the remaining backwards; at most ``p - d`` micro-batches are alive on device d.
+    """
+    progs = []
+    for d in range(p):
+        warm = min(p - d - 1, m)
+        units = [F(d, i) for i in range(warm)]
+        for i in range(m - warm):
+            units += [F(d, warm + i), B(d, i)]
+        units += [B(d, i) for i in range(m - warm, m)]
+        progs.append(units)
+    return _schedule(StageGraph.chain(range(p)), m, progs)
+
+
+def interleaved_stages(p: int, v: int) -> StageGraph:
+    """A chain of ``p * v`` stages where stage s lives on device ``s % p`` (v chunks per device)."""
+    return StageGraph.chain([s % p for s in range(p * v)])
+
+
+def _interleaved_unit(k: int, d: int, p: int, v: int, *, forward: bool) -> Unit:
+    # k-th forward (or backward) of device d: chunks rotate every p units, micro-batches advance
+    # by groups of p, backwards visit chunks in reverse (Megatron's ordering).
+    chunk = (k // p) % v
+    mb = (k // (p * v)) * p + k % p
+    if not forward:
+        chunk = v - 1 - chunk
+    stage = chunk * p + d
+    return F(stage, mb) if forward else B(stage, mb)
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Megatron's interleaved 1F1B with ``v`` model chunks per device; ``m`` must be a multiple of
+    ``p``. Device d runs ``2 (p - d - 1) + (v - 1) p`` warm-up forwards, then alternates."""
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs micro-batches ({m}) divisible by devices ({p})")
+    total = m * v
+    progs = []
+    for d in range(p):
+        warm = min(2 * (p - d - 1) + (v - 1) * p, total)
+        units = [_interleaved_unit(k, d, p, v, forward=True) for k in range(warm)]
+        for i in range(total - warm):
+            units.append(_interleaved_unit(warm + i, d, p, v, forward=True))
+            units.append(_interleaved_unit(i, d, p, v, forward=False))
+        units += [_interleaved_unit(k, d, p, v, forward=False) for k in range(total - warm, total)]
+        progs.append(units)
+    return _schedule(interleaved_stages(p, v), m, progs)
