@@ -197,8 +197,10 @@ def launch(worker: Worker, *, nproc: int, args: Sequence[Any] = (),
         raise LaunchError(f"--nproc must be at least 1, not {nproc}")
     if isinstance(worker, str):
         resolve_worker(worker)  # fail in the launcher, once, rather than in every rank
-    payload = pickle.dumps({"worker": worker, "args": tuple(args), "kwargs": dict(kwargs or {}),
-                            "sys_path": list(sys.path)})
+    # Two layers: the rank must set sys.path before it can unpickle a worker defined in, say, a
+    # test module that is importable only through the launcher's path.
+    call = pickle.dumps((worker, tuple(args), dict(kwargs or {})))
+    payload = pickle.dumps({"sys_path": list(sys.path), "call": call})
     with tempfile.TemporaryDirectory(prefix="ssdsl-launch-") as tmp:
         job = _Job(Path(tmp), nproc=nproc, grace_s=grace_s, on_event=on_event)
         (job.dir / "payload.pkl").write_bytes(payload)
@@ -385,8 +387,8 @@ def _run_payload(path: Path) -> tuple:
     try:
         payload = pickle.loads(path.read_bytes())
         sys.path[:] = payload["sys_path"]
-        worker = resolve_worker(payload["worker"])
-        return ("ok", worker(*payload["args"], **payload["kwargs"]))
+        worker, args, kwargs = pickle.loads(payload["call"])
+        return ("ok", resolve_worker(worker)(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - a rank reports every failure, even SystemExit
         return _error_outcome(exc)
 

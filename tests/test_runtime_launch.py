@@ -1,0 +1,247 @@
+"""The launcher: results in rank order, and every way a rank can fail ends the job without orphans.
+
+Oracles: expected values are computed here from the rank numbers by formula, and "no orphans" is
+read from /proc, not from the launcher's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ssdsl.errors import SsdslError
+from ssdsl.runtime.dist import DistEnvError, RankEnv, all_gather_objects, distributed
+from ssdsl.runtime.launch import (JobTimeout, LaunchError, RankFailed, WorkerNotFound, launch,
+                                  report_event, under_torchrun)
+
+pytestmark = pytest.mark.slow
+
+# Start-up of a rank (importing torch) takes about a second on this machine; the bounds below
+# leave room for a loaded CI runner while still catching a hang (which would take minutes).
+BOUND_S = 30.0
+
+
+# ------------------------------------------------------------------ workers (run in the ranks)
+
+def _note_pid(pid_dir: str) -> None:
+    Path(pid_dir, f"{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+
+
+def sum_worker(scale: float, *, offset: int = 0) -> tuple[int, int, float, list[int]]:
+    with distributed(timeout_s=20) as ctx:
+        t = torch.tensor([float(ctx.rank + 1)])
+        dist.all_reduce(t)
+        report_event({"rank": ctx.rank, "step": 0})
+        report_event({"rank": ctx.rank, "step": 1})
+        return ctx.rank, ctx.world_size, t.item() * scale, all_gather_objects(ctx.rank + offset)
+
+
+def failing_worker(pid_dir: str, how: str) -> None:
+    _note_pid(pid_dir)
+    with distributed(timeout_s=3) as ctx:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        if ctx.rank == 1:
+            if how == "raise":
+                raise ValueError("deliberate failure on rank one")
+            if how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if how == "hang":
+                time.sleep(3600)
+            if how == "exit":
+                os._exit(7)
+            if how == "ssdsl":
+                raise SsdslError("a user-facing fault", file="model.py")
+        dist.all_reduce(t)  # rank 0 waits here for the peer that is gone or silent
+
+
+def sleeping_worker(pid_dir: str) -> None:
+    _note_pid(pid_dir)
+    time.sleep(3600)
+
+
+def unpicklable_worker() -> object:
+    return lambda: None
+
+
+# ------------------------------------------------------------------ helpers (in the test process)
+
+def _alive(pid: int) -> bool:
+    """Alive and not a zombie, read from /proc."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def _pids(pid_dir: Path, expected: int, *, wait_s: float = 0.0) -> list[int]:
+    end = time.monotonic() + wait_s
+    while True:
+        files = sorted(pid_dir.glob("*.pid"))
+        if len(files) >= expected or time.monotonic() >= end:
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.05)
+
+
+def _assert_all_gone(pids: list[int], within_s: float = 5.0) -> None:
+    end = time.monotonic() + within_s
+    while any(_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)], "rank processes outlived the job"
+
+
+def _launch_failing(tmp_path: Path, how: str) -> tuple[RankFailed, float, list[int]]:
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        launch(failing_worker, nproc=2, args=(str(tmp_path), how), grace_s=2.0)
+    elapsed = time.monotonic() - start
+    pids = _pids(tmp_path, 2)
+    assert len(pids) == 2
+    return info.value, elapsed, pids
+
+
+# ------------------------------------------------------------------ tests
+
+def test_results_come_back_in_rank_order_with_events():
+    events: list[tuple[int, dict]] = []
+    results = launch(sum_worker, nproc=3, args=(2.0,), kwargs={"offset": 5},
+                     on_event=lambda rank, obj: events.append((rank, obj)))
+    total = 1 + 2 + 3
+    assert results == [(r, 3, total * 2.0, [5, 6, 7]) for r in range(3)]
+    for rank in range(3):
+        assert [obj["step"] for r, obj in events if r == rank] == [0, 1]
+        assert all(obj["rank"] == r for r, obj in events)
+
+
+def test_worker_by_module_function_name():
+    results = launch(f"{__name__}:sum_worker", nproc=2, args=(1.0,))
+    assert [r[:3] for r in results] == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_rank_that_raises_is_named_and_job_ends(tmp_path):
+    err, elapsed, pids = _launch_failing(tmp_path, "raise")
+    assert err.rank == 1
+    assert "rank 1 failed" in err.render()
+    assert "ValueError: deliberate failure on rank one" in err.render()
+    # The traceback travels as the cause, for --debug.
+    assert "failing_worker" in str(err.__cause__)
+    assert elapsed < BOUND_S
+    _assert_all_gone(pids)
+
+
+def test_rank_killed_by_sigkill_is_named(tmp_path):
+    err, elapsed, pids = _launch_failing(tmp_path, "sigkill")
+    assert err.rank == 1
+    assert err.failure.kind == "signal"
+    assert "SIGKILL" in err.render()
+    assert elapsed < BOUND_S
+    _assert_all_gone(pids)
+
+
+def test_rank_exiting_with_status_is_named(tmp_path):
+    err, _, pids = _launch_failing(tmp_path, "exit")
+    assert err.rank == 1
+    assert "status 7" in err.render()
+    _assert_all_gone(pids)
+
+
+def test_hanging_rank_ends_through_peer_timeout(tmp_path):
+    # Rank 1 never reaches the second all-reduce; rank 0's 3 s collective timeout ends the job.
+    err, elapsed, pids = _launch_failing(tmp_path, "hang")
+    assert err.rank == 0
+    assert err.still_running == (1,)
+    assert "did not finish" in err.render()
+    assert elapsed < BOUND_S
+    _assert_all_gone(pids)
+
+
+def test_user_error_in_rank_is_rendered(tmp_path):
+    err, _, pids = _launch_failing(tmp_path, "ssdsl")
+    assert err.rank == 1
+    assert "model.py: a user-facing fault" in err.render()
+    _assert_all_gone(pids)
+
+
+def test_job_timeout_stops_every_rank(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(JobTimeout, match="time limit of 3 s"):
+        launch(sleeping_worker, nproc=2, args=(str(tmp_path),), timeout_s=3, grace_s=1)
+    assert time.monotonic() - start < BOUND_S
+    _assert_all_gone(_pids(tmp_path, 2))
+
+
+def test_unpicklable_result_is_an_error():
+    with pytest.raises(RankFailed, match="does not pickle"):
+        launch(unpicklable_worker, nproc=1)
+
+
+def test_bad_worker_names_fail_in_the_launcher():
+    with pytest.raises(WorkerNotFound):
+        launch("no_such_module_xyz:f", nproc=2)
+    with pytest.raises(WorkerNotFound, match="module:function"):
+        launch("just_a_name", nproc=2)
+    with pytest.raises(LaunchError):
+        launch(sum_worker, nproc=0)
+
+
+_LAUNCHER_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path[:0] = {paths!r}
+    from test_runtime_launch import sleeping_worker
+    from ssdsl.runtime.launch import launch
+    try:
+        launch(sleeping_worker, nproc=2, args=({pid_dir!r},))
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_no_orphans_when_the_launcher_dies_or_is_interrupted(tmp_path, sig):
+    """SIGKILL of the launcher: the kernel kills the ranks (PDEATHSIG). Ctrl-C: the launcher does."""
+    script = _LAUNCHER_SCRIPT.format(paths=[str(Path(__file__).parent), *sys.path],
+                                     pid_dir=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = _pids(tmp_path, 2, wait_s=BOUND_S)
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=BOUND_S)
+        if sig == signal.SIGINT:
+            assert proc.returncode == 130 and "interrupted" in out
+        _assert_all_gone(pids)
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in _pids(tmp_path, 0):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_under_torchrun_reads_the_environment():
+    assert under_torchrun({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert not under_torchrun({"RANK": "0", "WORLD_SIZE": "2"})
+    assert not under_torchrun({})
+
+
+def test_rank_env_checks_the_variables():
+    env = RankEnv.from_environ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                                "LOCAL_WORLD_SIZE": "2"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 8, 1, 2)
+    with pytest.raises(DistEnvError, match="WORLD_SIZE is not set"):
+        RankEnv.from_environ({"RANK": "0"})
+    with pytest.raises(DistEnvError, match="not an integer"):
+        RankEnv.from_environ({"RANK": "x", "WORLD_SIZE": "2"})
+    with pytest.raises(DistEnvError, match="inconsistent"):
+        RankEnv.from_environ({"RANK": "2", "WORLD_SIZE": "2"})
