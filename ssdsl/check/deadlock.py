@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections import defaultdict
+from collections.abc import Iterable
 
 import attrs
 
@@ -31,6 +32,7 @@ from ssdsl.check.schedule import ScheduleError
 from ssdsl.schedule.deps import Message, messages
 from ssdsl.schedule.grid import program_grid
 from ssdsl.schedule.units import Schedule, Unit
+from ssdsl.source import Span
 
 
 class CommModel(enum.Enum):
@@ -39,7 +41,20 @@ class CommModel(enum.Enum):
 
 
 class Deadlock(ScheduleError):
-    """Devices wait for each other forever once sends are matched with receives."""
+    """Devices wait for each other forever once sends are matched with receives.
+
+    ``details`` (who waits for what, and the grid of stuck units) is printed after the source line.
+    """
+
+    def __init__(self, message: str, spans: Iterable[Span | None], *, details: str,
+                 hint: str | None = None) -> None:
+        super().__init__(message, spans, hint=hint)
+        self.details = details
+
+    def render(self) -> str:
+        head, _, rest = super().render().partition("\nhint: ")
+        parts = [head, self.details]
+        return "\n".join(parts + ([f"hint: {rest}"] if rest else []))
 
 
 # Operation kinds of an expanded program.
@@ -151,7 +166,9 @@ def _cycle(stuck: dict[int, Stuck]) -> list[int]:
         d = stuck[d].waits_for
         if d not in stuck:  # waits for a finished device: cannot happen, but never loop
             return path
-    return path[path.index(d):]
+    cycle = path[path.index(d):]
+    first = cycle.index(min(cycle))  # start at the lowest device: stable messages and spans
+    return cycle[first:] + cycle[:first]
 
 
 def find_stuck(schedule: Schedule, *, comm: CommModel = CommModel.ASYNC) -> dict[int, Stuck]:
@@ -191,7 +208,9 @@ def check_deadlock(schedule: Schedule, *, comm: CommModel = CommModel.ASYNC) -> 
     why = "\n".join(_explain(stuck[d]) for d in cycle)
     names = ", ".join(str(d) for d in cycle)
     spans = [schedule.programs[d].spans[stuck[d].op.step] for d in cycle]
+    hint = ("reorder the units so that every unit's inputs are produced before any device waits "
+            "for them")
+    if comm is CommModel.RENDEZVOUS:
+        hint += "; with blocking sends, a send and the opposite receive must be posted together"
     raise Deadlock(f"deadlock ({comm.value} sends): devices {names} wait for each other in a "
-                   f"cycle\n{why}\n{grid}", spans,
-                   hint="reorder the units so that every unit's inputs are produced before any "
-                        "device waits for them")
+                   f"cycle", spans, details=f"{why}\n{grid}", hint=hint)

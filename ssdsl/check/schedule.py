@@ -16,7 +16,6 @@ errors of one rule are reported together (``ErrorGroup``).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Iterator
 
 from ssdsl.errors import ErrorCollector, SsdslError
@@ -139,20 +138,23 @@ def _stage_span(schedule: Schedule, seen: dict[Unit, Span | None], stage: int) -
     return min((s for s in prog.spans if s is not None), default=None)
 
 
+def _missing_text(kind: Pass, mbs: list[int]) -> str:
+    word = "micro-batch" if len(mbs) == 1 else "micro-batches"
+    return f"no {_PASS_NAME[kind]} for {word} {_mbs(mbs)}"
+
+
 def _check_complete(schedule: Schedule, seen: dict[Unit, Span | None]) -> None:
-    missing: dict[tuple[int, Pass], list[int]] = defaultdict(list)
-    for s in range(schedule.stages.num_stages):
-        for kind in schedule.passes():
-            for m in range(schedule.microbatches):
-                if Unit(s, kind, m) not in seen:
-                    missing[(s, kind)].append(m)
     errors = ErrorCollector()
-    for (s, kind), mbs in sorted(missing.items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
-        word = "micro-batch" if len(mbs) == 1 else "micro-batches"
-        errors.add(MissingUnit(
-            f"stage {s} has no {_PASS_NAME[kind]} for {word} {_mbs(mbs)} "
-            f"(device {schedule.stages.devices[s]})", [_stage_span(schedule, seen, s)],
-            hint=f"order every micro-batch 0..{schedule.microbatches - 1} of every stage"))
+    for s in range(schedule.stages.num_stages):
+        missing = [(kind, [m for m in range(schedule.microbatches) if Unit(s, kind, m) not in seen])
+                   for kind in schedule.passes()]
+        parts = [_missing_text(kind, mbs) for kind, mbs in missing if mbs]
+        if parts:
+            errors.add(MissingUnit(
+                f"stage {s} (device {schedule.stages.devices[s]}) has {' and '.join(parts)}",
+                [_stage_span(schedule, seen, s)],
+                hint=f"order every micro-batch ({_mbs(list(range(schedule.microbatches)))}) of "
+                     "every stage"))
     errors.raise_if_any()
 
 
