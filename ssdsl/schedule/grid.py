@@ -15,14 +15,18 @@ from ssdsl.schedule.units import Schedule
 _CONTEXT = 3
 
 
+def longest_program(schedule: Schedule) -> int:
+    return max((len(p) for p in schedule.programs), default=0)
+
+
 def _window(schedule: Schedule, marks: Mapping[tuple[int, int], str],
             width: int | None) -> range:
-    longest = max((len(p) for p in schedule.programs), default=0)
+    longest = longest_program(schedule)
     if width is None or longest <= width or not marks:
         return range(longest)
     steps = [step for _, step in marks]
     lo = max(0, min(steps) - _CONTEXT)
-    hi = min(longest, max(max(steps) + _CONTEXT + 1, lo + width))
+    hi = min(longest, max(steps) + _CONTEXT + 1, lo + max(width, 2 * _CONTEXT + 1))
     return range(lo, hi)
 
 
@@ -51,6 +55,6 @@ def program_grid(schedule: Schedule, marks: Mapping[tuple[int, int], str] | None
         head = r[0].ljust(widths[0])
         cells = [r[c].rjust(widths[c]) for c in range(1, len(r))]
         lines.append("  ".join([head] + cells).rstrip())
-    if steps and steps.start > 0:
-        lines[0] += f"   (steps {steps.start}..{steps.stop - 1} shown)"
+    if steps and (steps.start > 0 or steps.stop < longest_program(schedule)):
+        lines[0] += f"   (steps {steps.start}..{steps.stop - 1} of {longest_program(schedule)})"
     return "\n".join(lines)
