@@ -1,0 +1,252 @@
+"""The plan-independent pieces of a training loop: optimizer, per-step metrics, live view, JSON result.
+
+A rank's loop, whatever the plan, looks like::
+
+    opt = build_optimizer(spec, model_file, local_params)   # same hyperparameters as the reference
+    metrics = MetricsCollector(rank=ctx.rank, samples_per_step=batch_size, device=ctx.device)
+    for step in range(steps):
+        metrics.begin()
+        ...                                                 # the plan's forward/backward/comm
+        report_event(metrics.end(step, loss=loss_value, comm_bytes=bytes_this_step))
+    return metrics.summary()
+
+and the launcher shows the events with ``LiveView`` (or collects them for ``--json``).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from ssdsl.errors import SsdslError
+from ssdsl.trace.model_file import ModelFile
+
+OPTIMIZER_KINDS = ("model", "sgd", "adamw")
+_DEFAULT_LR = 0.01
+
+
+class UnknownOptimizer(SsdslError):
+    """``--optimizer`` names something other than model, sgd or adamw."""
+
+
+@attrs.frozen
+class OptimizerSpec:
+    """Which optimizer both sides of a run use.
+
+    ``kind``: ``"model"`` (the model file's ``make_optimizer``, SGD(lr=0.01) when it has none),
+    ``"sgd"`` (plain SGD: no momentum, no weight decay), or ``"adamw"`` (torch defaults).
+    ``lr``: for sgd/adamw; ``None`` takes the learning rate of the model file's optimizer, so that
+    ``--optimizer sgd`` checks the same model with the same step size.
+    """
+
+    kind: str = "model"
+    lr: float | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind not in OPTIMIZER_KINDS:
+            raise UnknownOptimizer(f"unknown optimizer {self.kind!r}",
+                                   hint=f"choose one of {', '.join(OPTIMIZER_KINDS)}")
+
+
+def build_optimizer(spec: OptimizerSpec, model_file: ModelFile,
+                    params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer of ``spec`` over ``params`` (all parameters, or one rank's local shards).
+
+    Element-wise optimizers (SGD, Adam, AdamW) give on a shard exactly the slice of the update on
+    the whole tensor; an optimizer that looks across elements (a global gradient norm, LAMB's
+    trust ratio) would not, and a plan that shards it would need a reduction this does not add.
+    """
+    params = list(params)
+    if spec.kind == "model":
+        return model_file.make_optimizer(params)
+    lr = spec.lr if spec.lr is not None else model_lr(model_file)
+    if spec.kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def model_lr(model_file: ModelFile) -> float:
+    """The learning rate of the model file's optimizer (its first parameter group)."""
+    probe = model_file.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
+    lr = probe.param_groups[0].get("lr", _DEFAULT_LR)
+    return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: CUDA allocator peak on a GPU, the process's max RSS on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+@attrs.frozen
+class StepMetrics:
+    """One rank's numbers for one step (sent to the launcher as an event)."""
+
+    rank: int
+    step: int
+    loss: float | None
+    step_s: float
+    samples_per_s: float
+    comm_bytes: int
+    peak_memory_bytes: int
+
+
+@attrs.frozen
+class RankSummary:
+    """One rank's run: medians over the steps after warm-up, totals over all steps."""
+
+    rank: int
+    steps: int
+    median_step_s: float
+    samples_per_s: float
+    comm_bytes_per_step: float
+    peak_memory_bytes: int
+
+
+class MetricsCollector:
+    """Times the steps of one rank and reads its peak memory."""
+
+    def __init__(self, *, rank: int, samples_per_step: int, device: torch.device) -> None:
+        self.rank = rank
+        self.samples_per_step = samples_per_step
+        self.device = device
+        self.history: list[StepMetrics] = []
+        self._start: float | None = None
+
+    def begin(self) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def end(self, step: int, *, loss: float | None, comm_bytes: int = 0) -> StepMetrics:
+        if self._start is None:
+            raise RuntimeError("MetricsCollector.end() without begin()")
+        self._sync()  # GPU work is asynchronous: time it, not its launch
+        seconds = time.perf_counter() - self._start
+        self._start = None
+        metrics = StepMetrics(rank=self.rank, step=step, loss=loss, step_s=seconds,
+                              samples_per_s=self.samples_per_step / seconds if seconds else 0.0,
+                              comm_bytes=int(comm_bytes),
+                              peak_memory_bytes=peak_memory_bytes(self.device))
+        self.history.append(metrics)
+        return metrics
+
+    def summary(self, *, warmup: int = 1) -> RankSummary:
+        return summarize(self.history, rank=self.rank, warmup=warmup)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def summarize(history: Sequence[StepMetrics], *, rank: int, warmup: int = 1) -> RankSummary:
+    """Median step time after ``warmup`` steps (first steps pay for allocation and lazy init)."""
+    timed = list(history[warmup:]) or list(history)
+    if not timed:
+        return RankSummary(rank, 0, 0.0, 0.0, 0.0, peak_memory_bytes(torch.device("cpu")))
+    median = statistics.median(m.step_s for m in timed)
+    samples = statistics.median(m.samples_per_s for m in timed)
+    return RankSummary(rank=rank, steps=len(history), median_step_s=median, samples_per_s=samples,
+                       comm_bytes_per_step=statistics.fmean(m.comm_bytes for m in history),
+                       peak_memory_bytes=max(m.peak_memory_bytes for m in history))
+
+
+# ----------------------------------------------------------------------------- showing a run
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+class LiveView:
+    """A rich live table, one row per rank: step, loss, samples/s, communication, peak memory.
+
+    Use as a context manager and pass ``view.on_event`` to ``launch(..., on_event=...)``; events
+    other than ``StepMetrics`` are ignored.
+    """
+
+    def __init__(self, *, nproc: int, steps: int, title: str = "ssdsl run",
+                 console: Any = None) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.nproc = nproc
+        self.steps = steps
+        self.title = title
+        self.latest: dict[int, StepMetrics] = {}
+        self.console = console or Console(stderr=True)
+        self._live = Live(self.render(), console=self.console, refresh_per_second=4,
+                          transient=False)
+
+    def __enter__(self) -> LiveView:
+        self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._live.update(self.render())
+        self._live.__exit__(*exc)
+
+    def on_event(self, rank: int, event: Any) -> None:
+        if isinstance(event, StepMetrics):
+            self.latest[rank] = event
+            self._live.update(self.render())
+
+    def render(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title=self.title, title_justify="left")
+        for name in ("rank", "step", "loss", "samples/s", "comm/step", "peak mem"):
+            table.add_column(name, justify="right")
+        for rank in range(self.nproc):
+            m = self.latest.get(rank)
+            if m is None:
+                table.add_row(str(rank), "starting", "", "", "", "")
+                continue
+            table.add_row(str(rank), f"{m.step + 1}/{self.steps}",
+                          "" if m.loss is None else f"{m.loss:.6g}", f"{m.samples_per_s:.1f}",
+                          human_bytes(m.comm_bytes), human_bytes(m.peak_memory_bytes))
+        return table
+
+
+@attrs.frozen
+class RunResult:
+    """What ``ssdsl run --json`` prints: the run's settings, the loss per step, each rank's summary
+    and, with ``--check``, the verdict (``Verdict.as_dict()`` from ``ssdsl.runtime.reference``)."""
+
+    model: str
+    plan: str
+    nproc: int
+    steps: int
+    batch_size: int
+    seed: int
+    dtype: str
+    optimizer: str
+    losses: tuple[float, ...]
+    ranks: tuple[RankSummary, ...]
+    check: dict[str, Any] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        data = attrs.asdict(self, recurse=True)
+        data["losses"] = list(self.losses)
+        data["ranks"] = [attrs.asdict(r) for r in self.ranks]
+        data["ok"] = None if self.check is None else bool(self.check.get("ok"))
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2, sort_keys=False)

@@ -1,0 +1,193 @@
+"""The single-device reference and the comparison verdict.
+
+Oracle: a training loop written out by hand in this file with plain PyTorch (explicit optimizer,
+explicit batch conversion), not ``run_reference``'s code path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssdsl.runtime.reference import (Mismatch, RunRecord, Tolerance, compare_runs,
+                                     norm_scaled_errors, relative_error, run_reference,
+                                     tolerance_for)
+from ssdsl.runtime.train import OptimizerSpec
+from ssdsl.trace.model_file import load_model_file
+
+MODEL = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    BATCH_SIZE = 6
+
+    def build_model():
+        return nn.Sequential(nn.Linear(5, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3))
+
+    def get_batch(step, batch_size):
+        g = torch.Generator().manual_seed(1000 + step)
+        return torch.randn(batch_size, 5, generator=g), torch.randint(0, 3, (batch_size,), generator=g)
+
+    def make_optimizer(params):
+        return torch.optim.Adam(params, lr=0.05)
+''')
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("ref") / "tiny_mlp.py"
+    path.write_text(MODEL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mf(model_path):
+    return load_model_file(model_path)
+
+
+def _hand_loop(model_path: Path, *, steps: int, seed: int, dtype: torch.dtype, opt: str,
+               grad_scale: float = 1.0, grad_step: int | None = None) -> RunRecord:
+    """Plain PyTorch; imports the model file itself rather than going through ModelFile."""
+    spec = importlib.util.spec_from_file_location("hand_loop_model", model_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(seed)
+    model = module.build_model().to(dtype)
+    if opt == "model":
+        optim = torch.optim.Adam(model.parameters(), lr=0.05)
+    elif opt == "sgd":
+        optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    else:
+        optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    losses, grads = [], {}
+    for step in range(steps):
+        x, y = module.get_batch(step, 6)
+        optim.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x.to(dtype)), y)
+        loss.backward()
+        for p in model.parameters():
+            p.grad.mul_(grad_scale)
+        if step == grad_step:
+            grads[step] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optim.step()
+        losses.append(loss.item())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return RunRecord(tuple(losses), state, grads)
+
+
+def _identical(a: RunRecord, b: RunRecord) -> bool:
+    return a.losses == b.losses and a.final_state.keys() == b.final_state.keys() and all(
+        torch.equal(a.final_state[k], b.final_state[k]) for k in a.final_state)
+
+
+def test_same_seed_gives_identical_runs_and_another_seed_does_not(mf):
+    a = run_reference(mf, steps=3, seed=7)
+    b = run_reference(mf, steps=3, seed=7)
+    c = run_reference(mf, steps=3, seed=8)
+    assert _identical(a, b)
+    assert not _identical(a, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("opt", ["model", "sgd", "adamw"])
+def test_reference_equals_a_hand_written_loop(mf, model_path, dtype, opt):
+    ref = run_reference(mf, steps=4, seed=3, dtype=dtype, optimizer=OptimizerSpec(opt),
+                        grad_steps=(2,))
+    hand = _hand_loop(model_path, steps=4, seed=3, dtype=dtype, opt=opt, grad_step=2)
+    assert _identical(ref, hand)
+    assert all(v.dtype == dtype for v in ref.final_state.values())
+    assert ref.grads.keys() == {2}
+    for name, g in hand.grads[2].items():
+        assert torch.equal(ref.grads[2][name], g)
+
+
+def test_identical_runs_pass_with_zero_error(mf):
+    a = run_reference(mf, steps=3, dtype=torch.float64, optimizer=OptimizerSpec("sgd"),
+                      grad_steps=(0, 2))
+    b = run_reference(mf, steps=3, dtype=torch.float64, optimizer=OptimizerSpec("sgd"),
+                      grad_steps=(0, 2))
+    verdict = compare_runs(a, b, tolerance=tolerance_for(torch.float64))
+    assert verdict.ok, verdict.summary()
+    assert [m.what for m in verdict.worst] == ["loss", "param", "grad", "grad"]
+    assert all(m.error == 0.0 for m in verdict.worst)
+    assert verdict.summary().startswith("MATCH")
+
+
+@pytest.mark.parametrize("scale", [1 + 1e-6, 0.5])
+def test_float64_sgd_check_catches_a_scaled_gradient(mf, model_path, scale):
+    ref = run_reference(mf, steps=3, seed=0, dtype=torch.float64, optimizer=OptimizerSpec("sgd"),
+                        grad_steps=(0,))
+    wrong = _hand_loop(model_path, steps=3, seed=0, dtype=torch.float64, opt="sgd",
+                       grad_scale=scale, grad_step=0)
+    verdict = compare_runs(ref, wrong, tolerance=tolerance_for(torch.float64))
+    assert not verdict.ok
+    failing = {m.what for m in verdict.worst if not m.ok}
+    assert {"param", "grad"} <= failing
+    # Step 0 runs before any update: its loss still matches; later steps do not.
+    assert verdict.loss_errors[0] == 0.0 and verdict.loss_errors[2] > 1e-10
+    grad = next(m for m in verdict.worst if m.what == "grad")
+    # Step 0's gradients are taken at equal parameters: the error is the factor, to rounding.
+    assert grad.error == pytest.approx(abs(scale - 1), rel=1e-6)
+    assert "MISMATCH" in verdict.summary() and "FAIL" in verdict.summary()
+
+
+def test_tolerances_separate_float32_rounding_from_float64(mf):
+    f32 = run_reference(mf, steps=3, dtype=torch.float32, optimizer=OptimizerSpec("sgd"))
+    f64 = run_reference(mf, steps=3, dtype=torch.float64, optimizer=OptimizerSpec("sgd"))
+    assert compare_runs(f64, f32, tolerance=tolerance_for(torch.float32)).ok
+    assert not compare_runs(f64, f32, tolerance=tolerance_for(torch.float64)).ok
+
+
+def test_tolerance_table_follows_the_design():
+    assert tolerance_for(torch.float32) == Tolerance(1e-5, 1e-5)
+    assert tolerance_for(torch.float32, reordered_sums=True) == Tolerance(1e-4, 1e-4)
+    assert tolerance_for(torch.float64).tensor == 1e-10
+
+
+def test_norm_scaled_error_ignores_noise_on_a_zero_gradient_but_not_a_wrong_factor():
+    big = torch.linspace(-1, 1, 64, dtype=torch.float64)
+    small = torch.full((8,), 1e-3, dtype=torch.float64)
+    expected = {"w": big, "kbias": torch.zeros(8, dtype=torch.float64), "small": small}
+    noisy = {"w": big, "kbias": torch.full((8,), 1e-17, dtype=torch.float64), "small": small}
+    errors = norm_scaled_errors(expected, noisy)
+    assert errors["kbias"] < 1e-15  # noise measured against a typical tensor of 8 elements
+    # A wrong factor on a tensor far smaller than typical is scaled down by the floor, yet stays
+    # orders of magnitude above every tolerance.
+    doubled = dict(noisy, small=2 * small)
+    rms = math.sqrt((big.pow(2).sum() + small.pow(2).sum()).item() / 80)
+    by_hand = small.norm().item() / (rms * math.sqrt(8))
+    assert norm_scaled_errors(expected, doubled)["small"] == pytest.approx(by_hand)
+    assert by_hand > 1e-3
+    assert norm_scaled_errors({"s": small}, {"s": 2 * small})["s"] == pytest.approx(1.0)
+
+
+def test_structural_problems_are_reported():
+    e = RunRecord((1.0, 0.5), {"a": torch.ones(3), "b": torch.ones(2)})
+    a = RunRecord((1.0,), {"a": torch.ones(4), "c": torch.ones(1)})
+    verdict = compare_runs(e, a, tolerance=tolerance_for(torch.float32))
+    assert not verdict.ok
+    text = "\n".join(verdict.problems)
+    assert "1 steps ran, the reference ran 2" in text
+    assert "missing b" in text and "unexpected c" in text
+    assert "a has shape (4,), expected (3,)" in text
+
+
+def test_nan_loss_is_a_mismatch():
+    e = RunRecord((1.0, 0.5), {"a": torch.ones(3)})
+    a = RunRecord((1.0, math.nan), {"a": torch.ones(3)})
+    verdict = compare_runs(e, a, tolerance=tolerance_for(torch.float32))
+    assert not verdict.ok
+    assert verdict.worst[0] == Mismatch("loss", "step 1", math.inf, 1e-5)
+    assert verdict.as_dict()["ok"] is False
+
+
+def test_relative_error():
+    assert relative_error(1.1, 1.0) == pytest.approx(0.1)
+    assert relative_error(0.5, 0.0) == 0.5
+    assert relative_error(math.inf, math.inf) == 0.0
+    assert relative_error(math.nan, 1.0) == math.inf
