@@ -109,5 +109,5 @@ def test_deadlock_grid_is_cut_to_a_window_for_long_programs():
     with pytest.raises(Deadlock) as info:
         check_deadlock(bad)
     text = info.value.render()
-    assert "[1F22]" in text and "[0B20]" in text and "(steps 38..44 of 80)" in text
+    assert "[1F22]" in text and "[0B20]" in text and "(steps 38..45 of 80)" in text
     assert max(len(line) for line in text.splitlines()) < 200
