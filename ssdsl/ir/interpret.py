@@ -1,0 +1,62 @@
+"""The IR interpreter: run a traced ``Graph`` one ATen operator at a time on real tensors.
+
+Autograd flows through it (each ATen call is differentiable where PyTorch's is), so it is the
+reference for the per-rank executor, which runs sub-operators the same way (``call_target``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from ssdsl.ir.graph import Graph, Op, TensorRef, map_tensor_refs
+
+
+@lru_cache(maxsize=None)
+def resolve_target(target: str) -> Callable[..., Any]:
+    """The callable of an ATen overload string: ``"aten.linear.default"`` -> the OpOverload."""
+    namespace, name, overload = target.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def call_target(target: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """Call ``target`` with concrete arguments (tensors already substituted)."""
+    return resolve_target(target)(*args, **kwargs)
+
+
+def run_op(op: Op, env: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Run ``op`` with its tensor arguments read from ``env``; returns its outputs in order."""
+    lookup = lambda ref: env[ref.name]  # noqa: E731
+    args = map_tensor_refs(op.args, lookup)
+    kwargs = {k: map_tensor_refs(v, lookup) for k, v in op.kwargs}
+    result = call_target(op.target, args, kwargs)
+    return tuple(result) if op.returns == "list" else (result,)
+
+
+def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
+              inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The loss of ``graph`` on ``inputs`` (batch tensors then target) with ``params``.
+
+    ``params`` maps qualified names (``"h.0.attn.c_attn.weight"``, as in ``model.state_dict()`` or
+    ``named_parameters()``) to tensors, buffers included; tied names may be given once.
+    """
+    env: dict[str, torch.Tensor] = dict(zip(graph.inputs, inputs, strict=True))
+    for tname, qual in {**graph.params, **graph.buffers}.items():
+        env[tname] = _lookup_param(graph, params, qual)
+    env.update(graph.constants)
+    for op in graph.ops:
+        env.update(zip(op.outputs, run_op(op, env), strict=True))
+    return env[graph.output]
+
+
+def _lookup_param(graph: Graph, params: Mapping[str, torch.Tensor], qual: str) -> torch.Tensor:
+    for name in (qual, *graph.aliases.get(qual, ())):
+        if name in params:
+            return params[name]
+    raise KeyError(f"no value for parameter or buffer '{qual}'")
+
+
+__all__ = ["run_graph", "run_op", "call_target", "resolve_target", "TensorRef"]

@@ -1,0 +1,396 @@
+"""The annotation data model: factors, annotations, sub-operators, and the registry.
+
+See the package docstring (``ssdsl/ops/__init__.py``) for the API as the transform uses it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from ssdsl.ir.graph import Op, TensorInfo, TensorRef, map_tensor_refs
+from ssdsl.ops.errors import FrozenDimError, IndivisibleError, NotAnnotatedError, UnknownDimError
+
+
+@attrs.frozen
+class Factor:
+    """One factor of a tensor dim in an annotation: a label local to the op and its size."""
+
+    label: str
+    size: int
+
+    def __repr__(self) -> str:
+        return f"{self.label}:{self.size}"
+
+
+Dim = tuple[Factor, ...]          # the factors of one tensor dim, outermost first
+Sig = tuple[Dim, ...]             # one tensor: a Dim per tensor dim
+Interval = tuple[int, int]        # half-open index range [start, stop)
+Region = tuple[tuple[Interval, ...], ...]  # per tensor dim, the intervals it covers
+
+
+@attrs.frozen
+class Slot:
+    """In a lowered call, the ``index``-th tensor input of the op (``Op.inputs[index]``)."""
+
+    index: int
+
+    def __repr__(self) -> str:
+        return f"#{self.index}"
+
+
+@attrs.frozen
+class LocalCall:
+    """How a sub-operator runs on local sub-tensors: ``target(*args, **kwargs) * scale``.
+
+    ``args``/``kwargs`` hold ``Slot``s where the op's tensor inputs go; an input whose slot is
+    absent is not needed by this part (a bias kept only in part 0 of a value split).
+    """
+
+    target: str
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    scale: float = 1.0
+
+    def slots(self) -> set[int]:
+        found: set[int] = set()
+        _walk_slots((self.args, tuple(v for _, v in self.kwargs)), found)
+        return found
+
+    def bind(self, tensors: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Concrete ``(args, kwargs)`` with slot ``i`` replaced by ``tensors[i]``."""
+        sub = lambda v: _map_slots(v, tensors)  # noqa: E731
+        return sub(self.args), {k: sub(v) for k, v in self.kwargs}
+
+
+def _walk_slots(value: Any, found: set[int]) -> None:
+    if isinstance(value, Slot):
+        found.add(value.index)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _walk_slots(v, found)
+
+
+def _map_slots(value: Any, tensors: Sequence[Any]) -> Any:
+    if isinstance(value, Slot):
+        return tensors[value.index]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_slots(v, tensors) for v in value)
+    return value
+
+
+@attrs.frozen
+class Call:
+    """What an annotation rule and a lowering rule see: the op, with shapes of its tensors."""
+
+    op: Op
+    tensors: Mapping[str, TensorInfo]
+
+    def arg(self, index: int, name: str | None = None, default: Any = None) -> Any:
+        """Argument by position, else by keyword ``name``, else ``default``."""
+        if index < len(self.op.args):
+            return self.op.args[index]
+        return self.op.kwargs_dict.get(name, default) if name else default
+
+    def info(self, ref: TensorRef) -> TensorInfo:
+        return self.tensors[ref.name]
+
+    def shape(self, index: int, name: str | None = None) -> tuple[int, ...]:
+        """Shape of the tensor argument at ``index`` (or keyword ``name``)."""
+        return self.info(self.arg(index, name)).shape
+
+    @property
+    def in_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.tensors[t].shape for t in self.op.inputs)
+
+    @property
+    def out_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.tensors[t].shape for t in self.op.outputs)
+
+
+# (call, annotation, label ranges of this part, slotted args, slotted kwargs) -> LocalCall
+LowerFn = Callable[["Call", "Annotation", Mapping[str, Interval], tuple, dict], LocalCall]
+
+
+def keep_args(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
+              kwargs: dict) -> LocalCall:
+    """The default lowering: the same target and arguments on the local tensors."""
+    return LocalCall(call.op.target, args, tuple(kwargs.items()))
+
+
+@attrs.frozen
+class Label:
+    """What the annotation says about one label: its size and mark, and why when frozen."""
+
+    name: str
+    size: int
+    mark: str  # "spatial" | "reduced" | "frozen"
+    reason: str | None = None
+
+
+@attrs.frozen
+class Annotation:
+    """An einsum-like signature of one op call.
+
+    ``inputs[i]`` describes ``op.inputs[i]``; ``outputs[j]`` describes ``op.outputs[j]``. A label
+    found in an output is *spatial* (each part computes a slice of the outputs) when it also occurs
+    in an input or is in ``generated`` (the op makes that dim itself, e.g. ``arange``, an
+    ``expand``ed dim); a label only in inputs is *reduced* when listed in ``reduced`` (parts give
+    partial sums); every other label, and every label in ``frozen``, cannot be split.
+    ``names`` gives the flowing name an op introduces for a label (attention's heads).
+    """
+
+    inputs: tuple[Sig, ...]
+    outputs: tuple[Sig, ...]
+    reduced: frozenset[str] = frozenset()
+    generated: frozenset[str] = frozenset()
+    frozen: Mapping[str, str] = attrs.field(converter=MappingProxyType, factory=dict)
+    names: Mapping[str, str] = attrs.field(converter=MappingProxyType, factory=dict)
+    lower: LowerFn = attrs.field(default=keep_args, eq=False)
+
+    def sizes(self) -> dict[str, int]:
+        """Every label's size (the same at every occurrence)."""
+        out: dict[str, int] = {}
+        for sig in (*self.inputs, *self.outputs):
+            for dim in sig:
+                for f in dim:
+                    out[f.label] = f.size
+        return out
+
+    def labels(self) -> dict[str, Label]:
+        """Every label with its mark, in order of first occurrence."""
+        in_out = {f.label for sig in self.outputs for d in sig for f in d}
+        in_in = {f.label for sig in self.inputs for d in sig for f in d}
+        return {name: _mark(self, name, size, name in in_out, name in in_in)
+                for name, size in self.sizes().items()}
+
+    def label_for(self, name: str) -> str | None:
+        """The label that carries flowing name ``name`` (see ``ssdsl.ops.annotate``), or None."""
+        for label, flowing in self.names.items():
+            if flowing == name:
+                return label
+        return None
+
+    def splittable(self) -> list[str]:
+        """Labels that may be split: spatial and reduced ones."""
+        return [n for n, lab in self.labels().items() if lab.mark != "frozen"]
+
+    def refined(self, label: str, sizes: Sequence[int]) -> Annotation:
+        """The same annotation with ``label`` cut into factors ``label.0, label.1, ...`` of
+        ``sizes`` (outermost first). Always valid: an op treats each index of a label alike."""
+        if len(sizes) <= 1:
+            return self
+        parts = tuple(Factor(f"{label}.{i}", s) for i, s in enumerate(sizes))
+        cut = lambda sig: tuple(  # noqa: E731
+            tuple(p for f in dim for p in (parts if f.label == label else (f,))) for dim in sig)
+        names = {k: v for k, v in self.names.items() if k != label}
+        expand = lambda labels: frozenset(  # noqa: E731
+            p.label for lab in labels for p in (parts if lab == label else (Factor(lab, 0),)))
+        frozen = dict(self.frozen)
+        if label in frozen:
+            frozen.update({p.label: frozen[label] for p in parts})
+        return attrs.evolve(self, inputs=tuple(map(cut, self.inputs)),
+                            outputs=tuple(map(cut, self.outputs)),
+                            reduced=expand(self.reduced), generated=expand(self.generated),
+                            frozen=frozen, names=names)
+
+    def partition(self, call: Call, ranges: Mapping[str, Interval]) -> SubOp:
+        """The sub-operator that covers ``ranges`` (label -> index interval) of its labels."""
+        labels = self.labels()
+        for name, (start, stop) in ranges.items():
+            _check_range(call, labels, name, start, stop)
+        slotted, kwargs = _slotted(call.op)
+        local = self.lower(call, self, ranges, slotted, kwargs)
+        needed = local.slots()
+        value = tuple((n, r) for n, r in ranges.items()
+                      if labels[n].mark == "reduced" and r != (0, labels[n].size))
+        return SubOp(
+            inputs=tuple(region_of(sig, ranges) if i in needed else None
+                         for i, sig in enumerate(self.inputs)),
+            outputs=tuple(region_of(sig, ranges) for sig in self.outputs),
+            value=value, local=local)
+
+    def split(self, call: Call, label: str, parts: int, index: int) -> SubOp:
+        """Part ``index`` of ``parts`` equal parts of ``label`` (see ``partition``)."""
+        size = self.sizes().get(label)
+        if size is None:
+            raise UnknownDimError(f"operator '{call.op.name}' ({call.op.kind}) has no dimension "
+                                  f"'{label}'", hint=f"its dimensions: {', '.join(self.sizes())}")
+        if parts < 1 or size % parts:
+            raise IndivisibleError(f"dimension '{label}' of operator '{call.op.name}' has size "
+                                   f"{size}, which does not divide into {parts} parts",
+                                   hint="choose a number of parts that divides the size")
+        step = size // parts
+        return self.partition(call, {label: (index * step, (index + 1) * step)})
+
+
+def _mark(ann: Annotation, name: str, size: int, in_out: bool, in_in: bool) -> Label:
+    if name in ann.frozen:
+        return Label(name, size, "frozen", ann.frozen[name])
+    if size == 1:
+        return Label(name, size, "frozen", "size 1")
+    if in_out and (in_in or name in ann.generated):
+        return Label(name, size, "spatial")
+    if in_out:
+        return Label(name, size, "frozen", "made by the operator, which cannot make a part of it")
+    if name in ann.reduced:
+        return Label(name, size, "reduced")
+    return Label(name, size, "frozen", "not in the output, and not a sum over it")
+
+
+def _check_range(call: Call, labels: Mapping[str, Label], name: str, start: int,
+                 stop: int) -> None:
+    op = call.op
+    if name not in labels:
+        raise UnknownDimError(f"operator '{op.name}' ({op.kind}) has no dimension '{name}'",
+                              hint=f"its dimensions: {', '.join(labels)}")
+    lab = labels[name]
+    if (start, stop) == (0, lab.size):
+        return
+    if lab.mark == "frozen":
+        raise FrozenDimError(f"dimension '{name}' of operator '{op.name}' ({op.kind}) cannot be "
+                             f"split: {lab.reason}", hint="split another dimension, or "
+                             "replicate this operator")
+    if not 0 <= start < stop <= lab.size:
+        raise IndivisibleError(f"range [{start}, {stop}) is outside dimension '{name}' of "
+                               f"operator '{op.name}' (size {lab.size})")
+
+
+def _slotted(op: Op) -> tuple[tuple, dict]:
+    counter = iter(range(len(op.inputs)))
+    to_slot = lambda ref: Slot(next(counter))  # noqa: E731
+    args = map_tensor_refs(op.args, to_slot)
+    kwargs = {k: map_tensor_refs(v, to_slot) for k, v in op.kwargs}
+    return args, kwargs
+
+
+def region_of(sig: Sig, ranges: Mapping[str, Interval]) -> Region:
+    """The region of a tensor with signature ``sig`` when its labels cover ``ranges``.
+
+    A dim of factors ``(a b c)`` covering ``b`` in ``[s, e)`` is strided: one interval per index of
+    ``a``. Example: ``region_of(((Factor("t", 3), Factor("h", 4)),), {"h": (0, 2)})`` is
+    ``(((0, 2), (4, 6), (8, 10)),)``.
+    """
+    return tuple(dim_intervals(dim, ranges) for dim in sig)
+
+
+def dim_intervals(dim: Dim, ranges: Mapping[str, Interval]) -> tuple[Interval, ...]:
+    """The index intervals of one dim (see ``region_of``)."""
+    intervals: list[Interval] = [(0, 1)]
+    inner = 1
+    for f in reversed(dim):
+        start, stop = ranges.get(f.label, (0, f.size))
+        if intervals == [(0, inner)]:
+            intervals = [(start * inner, stop * inner)]
+        else:
+            intervals = [(j * inner + a, j * inner + b) for j in range(start, stop)
+                         for a, b in intervals]
+        inner *= f.size
+    return tuple(intervals)
+
+
+def local_size(dim: Dim, ranges: Mapping[str, Interval]) -> int:
+    """Size of ``dim`` in a part that covers ``ranges``."""
+    return math.prod(_extent(f, ranges) for f in dim)
+
+
+def local_shape(sig: Sig, ranges: Mapping[str, Interval]) -> list[int]:
+    """Shape of a tensor of signature ``sig`` in a part that covers ``ranges``."""
+    return [local_size(d, ranges) for d in sig]
+
+
+def _extent(f: Factor, ranges: Mapping[str, Interval]) -> int:
+    start, stop = ranges.get(f.label, (0, f.size))
+    return stop - start
+
+
+@attrs.frozen
+class SubOp:
+    """One part of a partitioned op.
+
+    ``inputs[i]`` is the region of ``op.inputs[i]`` this part reads (``None``: not read);
+    ``outputs[j]`` the region of ``op.outputs[j]`` it writes. ``value`` lists the reduced labels it
+    covers a part of, as ``(label, (start, stop))``: when not empty, each output is a partial sum
+    (the parts over the reduced labels add up to the full output). ``local`` runs it.
+    """
+
+    inputs: tuple[Region | None, ...]
+    outputs: tuple[Region, ...]
+    value: tuple[tuple[str, Interval], ...]
+    local: LocalCall
+
+
+@attrs.frozen
+class NotAnnotated:
+    """An op without a usable annotation: it can be replicated, not partitioned."""
+
+    reason: str
+
+
+Rule = Callable[[Call], Annotation]
+_RULES: dict[str, Rule] = {}
+_REPLICATE_ONLY: dict[str, str] = {}
+
+
+class Unsplittable(Exception):
+    """Raised by a rule for a call it cannot annotate (the message says why)."""
+
+
+def register(*targets: str) -> Callable[[Rule], Rule]:
+    """Decorator: ``rule`` annotates calls of every ATen overload in ``targets``.
+
+    Example::
+
+        @register("aten.relu.default", "aten.gelu.default")
+        def unary(call: Call) -> Annotation: ...
+    """
+    def deco(rule: Rule) -> Rule:
+        for t in targets:
+            if t in _RULES:
+                raise ValueError(f"two annotations for {t}")
+            _RULES[t] = rule
+        return rule
+    return deco
+
+
+def replicate_only(reason: str, *targets: str) -> None:
+    """Mark ``targets`` as known ops that can only be replicated, with the reason shown to users."""
+    for t in targets:
+        _REPLICATE_ONLY[t] = reason
+
+
+def registered() -> dict[str, Rule]:
+    """Every annotated overload and its rule."""
+    return dict(_RULES)
+
+
+def replicate_only_ops() -> dict[str, str]:
+    """Every overload marked replicate-only, with its reason."""
+    return dict(_REPLICATE_ONLY)
+
+
+def annotate_call(call: Call) -> Annotation | NotAnnotated:
+    """The annotation of one call, or why there is none."""
+    target = call.op.target
+    if target in _REPLICATE_ONLY:
+        return NotAnnotated(_REPLICATE_ONLY[target])
+    rule = _RULES.get(target)
+    if rule is None:
+        return NotAnnotated(f"no annotation for {target}")
+    try:
+        return rule(call)
+    except Unsplittable as exc:
+        return NotAnnotated(str(exc))
+
+
+def require(ann: Annotation | NotAnnotated, op: Op) -> Annotation:
+    """``ann`` when it is an annotation; else the error a partition request must raise."""
+    if isinstance(ann, NotAnnotated):
+        raise NotAnnotatedError(f"operator '{op.name}' ({op.kind}, in module "
+                                f"'{op.module or '<top>'}') cannot be partitioned: {ann.reason}",
+                                hint="replicate it instead")
+    return ann

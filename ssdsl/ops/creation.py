@@ -1,0 +1,53 @@
+"""Operators that make tensors from sizes: ``arange`` (a part makes its own range), ``zeros``,
+``ones``, ``full`` (a part makes its local shape), and triangular masks."""
+
+from __future__ import annotations
+
+from ssdsl.ops.build import dims, lower_sizes, norm_dim, plain, set_arg
+from ssdsl.ops.core import Annotation, Call, Factor, LocalCall, register
+
+
+@register("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
+def arange(call: Call) -> Annotation:
+    (n,) = call.out_shapes[0]
+    return Annotation((), (((Factor("i", n),),),), generated=frozenset({"i"}), lower=_lower_arange)
+
+
+def _lower_arange(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
+    start, stop = ranges.get("i", (0, ann.sizes()["i"]))
+    target = call.op.target
+    if target == "aten.arange.default":
+        first, step = 0, 1
+    elif target == "aten.arange.start":
+        first, step = args[0], 1
+    else:
+        first, step = args[0], args[2] if len(args) > 2 else kwargs.get("step", 1)
+    kw = {k: v for k, v in kwargs.items() if k not in ("start", "end", "step")}
+    return LocalCall("aten.arange.start_step",
+                     (first + start * step, first + stop * step, step), tuple(kw.items()))
+
+
+@register("aten.zeros.default", "aten.ones.default", "aten.empty.memory_format",
+          "aten.full.default", "aten.new_zeros.default", "aten.new_ones.default",
+          "aten.new_full.default", "aten.new_empty.default")
+def filled(call: Call) -> Annotation:
+    (shape,) = call.out_shapes
+    labels = dims(len(shape))
+    new = call.op.target.startswith("aten.new_")
+    ins = (plain(dims(len(call.in_shapes[0]), "x"), call.in_shapes[0]),) if new else ()
+    frozen = {lab: "its source tensor only gives dtype and device" for d in (ins[0] if new else ())
+              for f in d for lab in [f.label]}
+    return Annotation(ins, (plain(labels, shape),), generated=frozenset(labels), frozen=frozen,
+                      lower=lower_sizes(1 if new else 0, "size"))
+
+
+@register("aten.tril.default", "aten.triu.default")
+def triangle(call: Call) -> Annotation:
+    (shape,) = call.in_shapes
+    labels = dims(len(shape))
+    frozen = {lab: "the diagonal is aligned to the first row and column"
+              for lab in labels[-2:]}
+    return Annotation((plain(labels, shape),), (plain(labels, shape),), frozen=frozen)
+
+
+__all__ = ["arange", "filled", "triangle", "norm_dim", "set_arg", "LocalCall"]

@@ -1,0 +1,40 @@
+"""Elementwise operators (unary, binary with broadcasting, casts and copies): every output dim
+is spatial; an input dim broadcast from size 1 is read whole by every part."""
+
+from __future__ import annotations
+
+from ssdsl.ops.build import broadcast
+from ssdsl.ops.core import Annotation, Call, register
+
+UNARY = [
+    "relu", "gelu", "silu", "sigmoid", "tanh", "exp", "log", "neg", "rsqrt", "sqrt", "abs", "sin",
+    "cos", "reciprocal", "square", "erf", "log1p", "expm1", "sign", "hardtanh", "leaky_relu", "elu",
+    "softplus", "clamp", "clamp_min", "clamp_max", "logical_not", "bitwise_not", "isnan",
+]
+IDENTITY = ["clone", "contiguous", "alias", "detach", "_to_copy", "lift_fresh_copy",
+            "dropout"]
+BINARY_TENSOR = ["add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le",
+                 "gt", "ge", "bitwise_and", "bitwise_or", "logical_and", "logical_or",
+                 "atan2", "remainder", "fmod", "floor_divide"]
+
+_targets = (
+    [f"aten.{n}.default" for n in UNARY + IDENTITY]
+    + [f"aten.{n}.Tensor" for n in BINARY_TENSOR]
+    + [f"aten.{n}.Scalar" for n in ["add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt",
+                                    "ge", "rsub", "remainder", "fmod"]]
+    + ["aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.pow.Scalar", "aten.rsub.Tensor",
+       "aten.div.Tensor_mode", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device",
+       "aten.to.other", "aten.type_as.default", "aten.where.self", "aten.where.ScalarSelf",
+       "aten.where.ScalarOther", "aten.masked_fill.Scalar", "aten.masked_fill.Tensor",
+       "aten.clamp.Tensor", "aten.lerp.Scalar", "aten.lerp.Tensor", "aten.addcmul.default",
+       "aten.addcdiv.default", "aten.gelu.default", "aten.fill.Scalar", "aten.zeros_like.default",
+       "aten.ones_like.default", "aten.full_like.default", "aten.bitwise_not.default",
+       "aten.float.default"]
+)
+
+
+@register(*dict.fromkeys(t for t in _targets if t != "aten.float.default"))
+def elementwise(call: Call) -> Annotation:
+    (out,) = call.out_shapes
+    ins, sig = broadcast(call.in_shapes, out)
+    return Annotation(ins, (sig,))

@@ -1,0 +1,64 @@
+"""Losses. The batch (and any extra target dims) of a mean- or sum-reduced loss is reduced:
+parts give partial sums, a mean part scaled by its share of the elements. The class dim is frozen
+(the softmax inside cross-entropy). Assumes no target equals ``ignore_index`` in a split batch:
+with ignored targets, the mean's denominator is the count of kept ones, which no part knows."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ssdsl.ops.build import dims, plain
+from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, register
+
+_MEAN, _SUM = 1, 2
+
+
+def _share(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
+           kwargs: dict, reduction: int) -> LocalCall:
+    scale = 1.0
+    if reduction == _MEAN:
+        sizes = ann.sizes()
+        for lab in ann.reduced:
+            start, stop = ranges.get(lab, (0, sizes[lab]))
+            scale *= (stop - start) / sizes[lab]
+    return LocalCall(call.op.target, args, tuple(kwargs.items()), scale)
+
+
+@register("aten.cross_entropy_loss.default", "aten.nll_loss.default",
+          "aten.nll_loss_nd.default")
+def cross_entropy(call: Call) -> Annotation:
+    x, t = call.shape(0, "self"), call.shape(1, "target")
+    reduction = call.arg(3, "reduction", _MEAN)
+    if len(x) == 1:  # unbatched: (C,) against ()
+        x_sig, t_sig, rest = ((Factor("C", x[0]),),), (), []
+    else:
+        rest = dims(len(x) - 2, "s")
+        x_sig = ((Factor("N", x[0]),), (Factor("C", x[1]),), *plain(rest, x[2:]))
+        t_sig = ((Factor("N", t[0]),), *plain(rest, t[1:]))
+    ins = [x_sig, t_sig]
+    if call.arg(2, "weight") is not None:
+        ins.append(((Factor("C", x[-1] if len(x) == 1 else x[1]),),))
+    batch = {"N", *rest} if len(x) > 1 else set()
+    frozen = {"C": "the softmax of cross-entropy normalizes over the classes"}
+    if reduction == 0:
+        return Annotation(tuple(ins), (t_sig,), frozen=frozen)
+    if call.arg(2, "weight") is not None and reduction == _MEAN:
+        frozen.update({b: "a class-weighted mean divides by a total weight" for b in batch})
+    lower = lambda c, a, r, args, kw: _share(c, a, r, args, kw, reduction)  # noqa: E731
+    return Annotation(tuple(ins), ((),), reduced=frozenset(batch), frozen=frozen, lower=lower)
+
+
+@register("aten.mse_loss.default", "aten.l1_loss.default", "aten.smooth_l1_loss.default",
+          "aten.binary_cross_entropy_with_logits.default")
+def pointwise_loss(call: Call) -> Annotation:
+    x = call.shape(0, "self")
+    labels = dims(len(x))
+    sig = plain(labels, x)
+    ins = tuple(sig for _ in call.op.inputs)
+    reduction = call.arg(2, "reduction", _MEAN)
+    if call.op.target == "aten.binary_cross_entropy_with_logits.default":
+        reduction = call.arg(4, "reduction", _MEAN)
+    if reduction == 0:
+        return Annotation(ins, (sig,))
+    lower = lambda c, a, r, args, kw: _share(c, a, r, args, kw, reduction)  # noqa: E731
+    return Annotation(ins, ((),), reduced=frozenset(labels), lower=lower)

@@ -1,0 +1,81 @@
+"""Reductions and softmax. A summed dim is reduced (parts give partial sums); a mean is a sum
+scaled by the part's share; max, softmax and friends freeze the dims they reduce over."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ssdsl.ops.build import dims, norm_dim, plain
+from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, register
+
+
+def _reduce_sigs(shape, reduced_dims, keepdim: bool):
+    labels = dims(len(shape))
+    ins = plain(labels, shape)
+    out = []
+    for k, lab in enumerate(labels):
+        if k not in reduced_dims:
+            out.append((Factor(lab, shape[k]),))
+        elif keepdim:
+            out.append((Factor(f"kept{k}", 1),))
+    return ins, tuple(out), {labels[k] for k in reduced_dims}
+
+
+def _reduced_dims(call: Call, shape) -> set[int]:
+    d = call.arg(1, "dim")
+    if d is None or d == () or d == []:
+        return set(range(len(shape)))
+    d = [d] if isinstance(d, int) else d
+    return {norm_dim(x, len(shape)) for x in d}
+
+
+def _mean_lower(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
+                kwargs: dict) -> LocalCall:
+    """A part's mean covers a share of the reduced elements; scaled by it, parts sum to the
+    whole mean."""
+    scale = 1.0
+    sizes = ann.sizes()
+    for lab in ann.reduced:
+        start, stop = ranges.get(lab, (0, sizes[lab]))
+        scale *= (stop - start) / sizes[lab]
+    return LocalCall(call.op.target, args, tuple(kwargs.items()), scale)
+
+
+@register("aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.mean.default",
+          "aten.amax.default", "aten.amin.default", "aten.max.dim", "aten.min.dim",
+          "aten.argmax.default", "aten.logsumexp.default", "aten.var.correction",
+          "aten.std.correction", "aten.norm.ScalarOpt_dim", "aten.prod.dim_int",
+          "aten.all.dim", "aten.any.dim")
+def reduce(call: Call) -> Annotation:
+    (shape,) = call.in_shapes[:1]
+    target = call.op.target
+    if target.endswith(".default") and target.split(".")[1] in ("sum", "mean"):
+        red, keep = set(range(len(shape))), False
+    else:
+        red = _reduced_dims(call, shape)
+        keep = bool(call.arg(2, "keepdim", False))
+    if target in ("aten.var.correction", "aten.std.correction"):
+        keep = bool(call.op.kwargs_dict.get("keepdim", call.arg(3, "keepdim", False)))
+    ins, out, labels = _reduce_sigs(shape, red, keep)
+    outs = (out,) * len(call.op.outputs)
+    name = target.split(".")[1]
+    if name in ("sum", "mean"):
+        return Annotation((ins,), outs, reduced=frozenset(labels),
+                          lower=_mean_lower if name == "mean" else _keep)
+    return Annotation((ins,), outs,
+                      frozen={lab: f"{name} over it is not a sum of parts" for lab in labels})
+
+
+def _keep(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
+    return LocalCall(call.op.target, args, tuple(kwargs.items()))
+
+
+@register("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int",
+          "aten._log_softmax.default", "aten.cumsum.default")
+def softmax(call: Call) -> Annotation:
+    (shape,) = call.in_shapes
+    d = norm_dim(call.arg(1, "dim"), len(shape))
+    labels = dims(len(shape))
+    name = call.op.kind
+    return Annotation((plain(labels, shape),), (plain(labels, shape),),
+                      frozen={labels[d]: f"{name} normalizes along it"})

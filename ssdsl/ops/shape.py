@@ -1,0 +1,243 @@
+"""View and shape operators: they move, merge and split dims without arithmetic.
+
+Merges and splits are factorizations (``reshape_sigs``): the ``C`` of ``view(B, T, C) -> (B, T, h,
+d)`` is the merged dim ``(h d)``, so a split of ``h`` survives the view and the transposes after it,
+and a split of ``h`` in a fused ``(3 h d)`` dim is a strided region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ssdsl.ops.build import dims, lower_sizes, norm_dim, plain, reshape_sigs, set_arg
+from ssdsl.ops.core import (
+    Annotation, Call, Factor, Interval, LocalCall, Unsplittable, local_shape, register,
+)
+
+
+@register("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
+def view(call: Call) -> Annotation:
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    i, o, frozen = reshape_sigs(src, dst)
+    return Annotation((i,), (o,), frozen=frozen, lower=lower_sizes(1, "size"))
+
+
+@register("aten.flatten.using_ints")
+def flatten(call: Call) -> Annotation:
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    i, o, frozen = reshape_sigs(src, dst)
+    return Annotation((i,), (o,), frozen=frozen)
+
+
+@register("aten.unflatten.int")
+def unflatten(call: Call) -> Annotation:
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    i, o, frozen = reshape_sigs(src, dst)
+    d = norm_dim(call.arg(1, "dim"), len(src))
+    n = len(dst) - len(src) + 1
+    pick = lambda call, sizes: sizes[d:d + n]  # noqa: E731
+    return Annotation((i,), (o,), frozen=frozen, lower=lower_sizes(2, "sizes", transform=pick))
+
+
+@register("aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
+          "aten.squeeze.default")
+def unsqueeze(call: Call) -> Annotation:
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    i, o, frozen = reshape_sigs(src, dst)
+    return Annotation((i,), (o,), frozen=frozen)
+
+
+@register("aten.permute.default")
+def permute(call: Call) -> Annotation:
+    (src,) = call.in_shapes
+    labels = dims(len(src))
+    order = [norm_dim(p, len(src)) for p in call.arg(1, "dims")]
+    return Annotation((plain(labels, src),),
+                      (plain([labels[p] for p in order], [src[p] for p in order]),))
+
+
+@register("aten.transpose.int", "aten.t.default")
+def transpose(call: Call) -> Annotation:
+    (src,) = call.in_shapes
+    labels = dims(len(src))
+    if call.op.target == "aten.t.default":
+        a, b = 0, len(src) - 1
+    else:
+        a, b = (norm_dim(call.arg(k, n), len(src)) for k, n in ((1, "dim0"), (2, "dim1")))
+    out = list(labels)
+    if len(src) > 1:
+        out[a], out[b] = labels[b], labels[a]
+    return Annotation((plain(labels, src),), (plain(out, [src[labels.index(x)] for x in out]),))
+
+
+def _piece_sigs(shape, d: int, pieces: int, piece: int, *, whole_in: bool):
+    """Signatures for cutting dim ``d`` of ``shape`` into ``pieces`` equal pieces of ``piece``:
+    the whole dim is ``(s c)``; each piece is ``(c)``. ``s`` (which piece) cannot be split."""
+    labels = dims(len(shape))
+    whole = list(plain(labels, shape))
+    whole[d] = (Factor("s", pieces), Factor("c", piece))
+    part = list(plain(labels, shape))
+    part[d] = (Factor("c", piece),)
+    return tuple(whole), tuple(part)
+
+
+@register("aten.split.Tensor", "aten.chunk.default", "aten.split_with_sizes.default",
+          "aten.unsafe_split.Tensor")
+def split(call: Call) -> Annotation:
+    (src,), outs = call.in_shapes, call.out_shapes
+    d = norm_dim(call.arg(2, "dim", 0), len(src))
+    return _pieces(call, src, outs, d, cat=False)
+
+
+@register("aten.cat.default")
+def cat(call: Call) -> Annotation:
+    ins, (dst,) = call.in_shapes, call.out_shapes
+    d = norm_dim(call.arg(1, "dim", 0), len(dst))
+    return _pieces(call, dst, ins, d, cat=True)
+
+
+def _pieces(call: Call, whole_shape, piece_shapes, d: int, *, cat: bool) -> Annotation:
+    sizes = {s[d] for s in piece_shapes}
+    frozen = {"s": "selects which piece"}
+    if len(sizes) == 1 and all(len(s) == len(whole_shape) for s in piece_shapes):
+        whole, part = _piece_sigs(whole_shape, d, len(piece_shapes), sizes.pop(), whole_in=True)
+        parts = (part,) * len(piece_shapes)
+        lower = _lower_split if not cat else None
+    else:  # uneven pieces: dim d is frozen in all tensors
+        labels = dims(len(whole_shape))
+        whole = plain(labels, whole_shape)
+        parts = tuple(plain([*labels[:d], f"p{k}", *labels[d + 1:]], s)
+                      for k, s in enumerate(piece_shapes))
+        frozen.update({labels[d]: "cut into uneven pieces"} |
+                      {f"p{k}": "cut into uneven pieces" for k in range(len(parts))})
+        lower = None
+    extra = {"lower": lower} if lower else {}
+    if cat:
+        return Annotation(parts, (whole,), frozen=frozen, **extra)
+    return Annotation((whole,), parts, frozen=frozen, **extra)
+
+
+def _lower_split(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
+                 kwargs: dict) -> LocalCall:
+    target = call.op.target
+    if target in ("aten.split.Tensor", "aten.unsafe_split.Tensor"):
+        args, kw = set_arg(args, kwargs, 1, "split_size", local_shape(ann.outputs[0], ranges)
+                           [_split_dim(call)])
+        return LocalCall(target, args, kw)
+    if target == "aten.split_with_sizes.default":
+        local = [local_shape(o, ranges)[_split_dim(call)] for o in ann.outputs]
+        args, kw = set_arg(args, kwargs, 1, "split_sizes", tuple(local))
+        return LocalCall(target, args, kw)
+    return LocalCall(target, args, tuple(kwargs.items()))  # chunk: the count stays
+
+
+def _split_dim(call: Call) -> int:
+    return norm_dim(call.arg(2, "dim", 0), len(call.in_shapes[0]))
+
+
+@register("aten.stack.default")
+def stack(call: Call) -> Annotation:
+    ins, (dst,) = call.in_shapes, call.out_shapes
+    d = norm_dim(call.arg(1, "dim", 0), len(dst))
+    labels = dims(len(ins[0]))
+    out_labels = [*labels[:d], "s", *labels[d:]]
+    return Annotation(tuple(plain(labels, s) for s in ins), (plain(out_labels, dst),),
+                      frozen={"s": "selects which piece"})
+
+
+@register("aten.unbind.int")
+def unbind(call: Call) -> Annotation:
+    (src,), outs = call.in_shapes, call.out_shapes
+    d = norm_dim(call.arg(1, "dim", 0), len(src))
+    labels = dims(len(src))
+    labels[d] = "s"
+    rest = [x for x in labels if x != "s"]
+    return Annotation((plain(labels, src),), tuple(plain(rest, o) for o in outs),
+                      frozen={"s": "selects which piece"})
+
+
+@register("aten.select.int")
+def select(call: Call) -> Annotation:
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    d = norm_dim(call.arg(1, "dim"), len(src))
+    labels = dims(len(src))
+    labels[d] = "i"
+    return Annotation((plain(labels, src),), (plain([x for x in labels if x != "i"], dst),),
+                      frozen={"i": "an index is picked from it"})
+
+
+@register("aten.slice.Tensor")
+def slice_(call: Call) -> Annotation:
+    """``x[a:b:step]`` along one dim. The full dim passes through; ``x[r::step]`` with ``r <
+    step`` dividing the dim is ``(q step) -> (q)``, so the ``q`` of a patch merge can be split."""
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    d = norm_dim(call.arg(1, "dim", 0), len(src))
+    start, end, step = call.arg(2, "start"), call.arg(3, "end"), call.arg(4, "step", 1) or 1
+    start = norm_dim(start or 0, src[d])
+    end = src[d] if end is None or end >= src[d] else norm_dim(end, src[d])
+    labels = dims(len(src))
+    ins, outs = list(plain(labels, src)), list(plain(labels, dst))
+    frozen = {}
+    if (start, end, step) == (0, src[d], 1):
+        pass
+    elif start < step and end == src[d] and src[d] % step == 0:
+        ins[d] = (Factor("q", src[d] // step), Factor("r", step))
+        outs[d] = (Factor("q", dst[d]),)
+        frozen["r"] = "a stride of the slice"
+    else:
+        ins[d], outs[d] = (Factor("a", src[d]),), (Factor("b", dst[d]),)
+        frozen.update(a="sliced", b="sliced")
+    return Annotation((tuple(ins),), (tuple(outs),), frozen=frozen, lower=_lower_slice)
+
+
+def _lower_slice(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
+    # Only a full or a strided-to-the-end slice can be split along its own dim; the end must then
+    # follow the local size, which "to the end" (None) does.
+    args, kw = set_arg(args, kwargs, 3, "end", None)
+    return LocalCall(call.op.target, args, kw)
+
+
+@register("aten.expand.default")
+def expand(call: Call) -> Annotation:
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    labels = dims(len(dst))
+    offset = len(dst) - len(src)
+    ins = [(Factor(labels[offset + j] if s == dst[offset + j] else f"one{j}", s),)
+           for j, s in enumerate(src)]
+    made = frozenset(labels[k] for k in range(len(dst))
+                     if k < offset or src[k - offset] != dst[k])
+    return Annotation((tuple(ins),), (plain(labels, dst),), generated=made,
+                      lower=lower_sizes(1, "size"))
+
+
+@register("aten.roll.default")
+def roll(call: Call) -> Annotation:
+    (src,) = call.in_shapes
+    labels = dims(len(src))
+    rolled = call.arg(2, "dims", ())
+    rolled = [rolled] if isinstance(rolled, int) else list(rolled)
+    if not rolled:
+        return Annotation((plain(labels, src),), (plain(labels, src),),
+                          frozen={lab: "rolled (flattened)" for lab in labels})
+    frozen = {labels[norm_dim(r, len(src))]: "rolled: every part needs the wrap-around"
+              for r in rolled}
+    return Annotation((plain(labels, src),), (plain(labels, src),), frozen=frozen)
+
+
+@register("aten.index.Tensor")
+def index(call: Call) -> Annotation:
+    """``x[idx]`` with one index tensor (``x[:, idx]`` too): the indexed dim is replaced by the
+    index's dims; both the index's dims and x's other dims can be split."""
+    src, dst = call.shape(0, "self"), call.out_shapes[0]
+    indices = call.arg(1, "indices")
+    used = [k for k, t in enumerate(indices) if t is not None]
+    if len(used) != 1:
+        raise Unsplittable("indexing with several index tensors")
+    k = used[0]
+    idx_shape = call.info(indices[k]).shape
+    labels = dims(len(src))
+    labels[k] = "v"
+    idx_labels = dims(len(idx_shape), "i")
+    out_labels = [*labels[:k], *idx_labels, *labels[k + 1:]]
+    return Annotation((plain(labels, src), plain(idx_labels, idx_shape)),
+                      (plain(out_labels, dst),), frozen={"v": "looked up by index"})

@@ -1,0 +1,215 @@
+"""Trace a model file's training forward (model, then loss) with ``torch.export`` into a ``Graph``.
+
+``torch.export.export(..., strict=False)`` gives the training IR: ATen ops such as ``linear``,
+``layer_norm`` and ``scaled_dot_product_attention`` stay whole, every op carries the module path
+that called it (``nn_module_stack``) and fake-tensor shapes. On the ``meta`` device no parameter is
+allocated, so a model far larger than memory can be planned.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx
+
+from ssdsl.errors import SsdslError
+from ssdsl.ir.graph import Graph, Op, TensorInfo, TensorRef
+from ssdsl.trace.dims import flow_names
+from ssdsl.trace.model_file import ModelFile
+
+# Short kind names for selectors, where the ATen name is long.
+KIND_NAMES = {"scaled_dot_product_attention": "sdpa", "cross_entropy_loss": "cross_entropy",
+              "_unsafe_view": "view", "_to_copy": "to_copy"}
+
+
+class TraceError(SsdslError):
+    """torch.export could not trace the model file's forward and loss."""
+
+
+class _TrainingForward(torch.nn.Module):
+    """The traced unit: the model's forward followed by the loss, ending in a scalar."""
+
+    def __init__(self, model: torch.nn.Module, loss) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss
+
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        *inputs, target = batch
+        return self.loss_fn(self.model(*inputs), target)
+
+
+def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None = None,
+          model: torch.nn.Module | None = None, seed: int = 0) -> Graph:
+    """The ``Graph`` of ``model_file``'s training forward.
+
+    ``device="meta"`` builds the model without memory (planning); ``"cpu"`` builds it for real
+    (the graph's lifted constants are then real too, so ``run_graph`` can use them). A ``model``
+    passed in is traced as it is.
+    """
+    inputs, target = model_file.get_batch(0, batch_size)
+    if model is None:
+        with torch.device(device):
+            model = model_file.build(seed=seed)
+    dev = _device_of(model, device)
+    batch = tuple(t.to(dev) for t in (*inputs, target))
+    try:
+        ep = torch.export.export(_TrainingForward(model, model_file.loss), batch, strict=False)
+    except SsdslError:
+        raise
+    except Exception as exc:
+        raise TraceError(f"torch.export failed on the model's forward and loss: "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                         file=model_file.path, hint="run with --debug for the full traceback; "
+                         "data-dependent control flow and unsupported ops are common causes") from exc
+    seeds = _input_seeds(model_file, ep, len(inputs))
+    return graph_from_export(ep, seeds=seeds, model=model)
+
+
+def _device_of(model: torch.nn.Module, default: str) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device(default)
+
+
+def _input_seeds(model_file: ModelFile, ep, n_inputs: int) -> dict[tuple[str, int], str]:
+    user = [s.arg.name for s in ep.graph_signature.input_specs
+            if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    dims = model_file.input_dims or tuple(("batch",) for _ in range(n_inputs))
+    seeds = {}
+    for name, names in zip(user[:n_inputs], dims):
+        for d, n in enumerate(names):
+            if n:
+                seeds[(name, d)] = n
+    if len(user) > n_inputs:  # the target's first dim is the batch
+        seeds[(user[n_inputs], 0)] = "batch"
+    return seeds
+
+
+def graph_from_export(ep: torch.export.ExportedProgram,
+                      seeds: Mapping[tuple[str, int], str] | None = None, *,
+                      model: torch.nn.Module | None = None) -> Graph:
+    """Convert an exported training forward into a ``Graph`` with flowing names."""
+    InputKind = torch.export.graph_signature.InputKind
+    params, buffers, constants, inputs = {}, {}, {}, []
+    for spec in ep.graph_signature.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            params[name] = _strip(spec.target)
+        elif spec.kind == InputKind.BUFFER:
+            buffers[name] = _strip(spec.target)
+        elif spec.kind in (InputKind.CONSTANT_TENSOR,):
+            constants[name] = _constant(ep, spec.target)
+        elif spec.kind == InputKind.USER_INPUT:
+            inputs.append(name)
+    tensors: dict[str, TensorInfo] = {}
+    ops: list[Op] = []
+    alias: dict[str, str] = {}  # getitem node -> tensor name
+    output = None
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            _add_tensor(tensors, node.name, node.meta.get("val"))
+        elif node.op == "call_function":
+            op = _convert(node, alias, tensors)
+            if op is not None:
+                ops.append(op)
+        elif node.op == "output":
+            output = _user_output(ep, node, alias)
+    tensors = flow_names(tuple(ops), tensors, seeds or {})
+    return Graph(ops=tuple(ops), tensors=tensors, params=params, buffers=buffers,
+                 inputs=tuple(inputs), output=output, aliases=_aliases(model, params), constants=constants)
+
+
+def _strip(qualname: str) -> str:
+    return qualname[len("model."):] if qualname.startswith("model.") else qualname
+
+
+def _constant(ep, target: str) -> Any:
+    return ep.constants.get(target)
+
+
+def _aliases(model: torch.nn.Module | None, params: Mapping[str, str]) -> dict:
+    """Tied parameters: the exported qualified name, with the model's other names for it."""
+    if model is None:
+        return {}
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    exported = set(params.values())
+    out = {}
+    for names in groups.values():
+        for main in names:
+            if main in exported and len(names) > 1:
+                out[main] = tuple(n for n in names if n != main)
+    return out
+
+
+def _add_tensor(tensors: dict[str, TensorInfo], name: str, val: Any) -> None:
+    if isinstance(val, torch.Tensor):
+        tensors[name] = TensorInfo(name, tuple(int(s) for s in val.shape), str(val.dtype))
+
+
+def _convert(node: torch.fx.Node, alias: dict[str, str], tensors: dict[str, TensorInfo]
+             ) -> Op | None:
+    if node.target is operator.getitem:
+        parent, index = node.args
+        alias[node.name] = f"{parent.name}.{index}"
+        _add_tensor(tensors, alias[node.name], node.meta.get("val"))
+        return None
+    if not isinstance(node.target, torch._ops.OpOverload):
+        raise TraceError(f"unsupported call in the exported graph: {node.target} "
+                         f"(node {node.name})")
+    refs: list[str] = []
+
+    def conv(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            name = alias.get(a.name, a.name)
+            refs.append(name)
+            return TensorRef(name)
+        if isinstance(a, (list, tuple)):
+            return tuple(conv(x) for x in a)
+        return a
+
+    args = tuple(conv(a) for a in node.args)
+    kwargs = tuple((k, conv(v)) for k, v in node.kwargs.items())
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        outputs = tuple(f"{node.name}.{i}" for i in range(len(val)))
+        returns = "list"
+    elif isinstance(val, torch.Tensor):
+        outputs, returns = (node.name,), "one"
+        _add_tensor(tensors, node.name, val)
+    else:
+        return None  # no data out (an assertion): nothing to run or place
+    target = _target_name(node.target)
+    return Op(name=node.name, target=target, kind=_kind(target), module=_module_path(node),
+              args=args, kwargs=kwargs, inputs=tuple(refs), outputs=outputs, returns=returns)
+
+
+def _target_name(target: torch._ops.OpOverload) -> str:
+    ns = target.namespace
+    return f"{ns}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+
+
+def _kind(target: str) -> str:
+    name = target.split(".")[1]
+    return KIND_NAMES.get(name, name)
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _strip(path) if path != "model" else ""
+
+
+def _user_output(ep, node: torch.fx.Node, alias: dict[str, str]) -> str:
+    OutputKind = torch.export.graph_signature.OutputKind
+    for spec, arg in zip(ep.graph_signature.output_specs, node.args[0]):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            return alias.get(arg.name, arg.name)
+    raise TraceError("the traced forward has no output")
