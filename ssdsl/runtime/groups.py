@@ -1,0 +1,51 @@
+"""Process groups: one per distinct device set, created once, in the same order on every rank.
+
+``torch.distributed.new_group`` is collective: every rank must call it for every group, in the same
+order, even for groups it is not in. So the program first gathers every group its adapters and
+reducers use (``groups_of``), sorts them, and creates them all up front (``ProcessGroups.create``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.distributed as dist
+
+from ssdsl.materialize.steps import Adapter, CollectiveStep
+
+
+def groups_of(adapters: Iterable[Adapter]) -> list[tuple[int, ...]]:
+    """Every device set (sorted, of 2 or more) that the adapters' collectives use, forward and
+    backward, in a deterministic order."""
+    found: set[tuple[int, ...]] = set()
+    stack = list(adapters)
+    while stack:
+        ad = stack.pop()
+        if ad.backward is not None:
+            stack.append(ad.backward)
+        for step in ad.steps:
+            if isinstance(step, CollectiveStep) and step.nbytes:
+                found.update(tuple(sorted(g)) for g in step.groups if len(g) > 1)
+    return sorted(found, key=lambda g: (len(g), g))
+
+
+class ProcessGroups:
+    """The process group of each device set; ``None`` stands for the default (world) group."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[int, ...], object] = {}
+
+    @classmethod
+    def create(cls, device_sets: Iterable[Iterable[int]]) -> ProcessGroups:
+        """Create every group in ``device_sets``; call on every rank with the same argument."""
+        pgs = cls()
+        world = tuple(range(dist.get_world_size()))
+        for members in sorted({tuple(sorted(s)) for s in device_sets}, key=lambda g: (len(g), g)):
+            pgs._groups[members] = None if members == world else dist.new_group(list(members))
+        return pgs
+
+    def get(self, members: Iterable[int]) -> object:
+        key = tuple(sorted(members))
+        if key not in self._groups:
+            raise KeyError(f"process group {key} was not created up front (ProcessGroups.create)")
+        return self._groups[key]
