@@ -13,12 +13,12 @@ UNARY = [
 ]
 IDENTITY = ["clone", "contiguous", "alias", "detach", "_to_copy", "lift_fresh_copy",
             "dropout"]
-BINARY_TENSOR = ["add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le",
-                 "gt", "ge", "bitwise_and", "bitwise_or", "logical_and", "logical_or",
-                 "atan2", "remainder", "fmod", "floor_divide"]
+BINARY_TENSOR = ["add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge", "bitwise_and",
+                 "bitwise_or", "remainder", "fmod"]
+BINARY_DEFAULT = ["maximum", "minimum", "logical_and", "logical_or", "atan2", "floor_divide"]
 
 _targets = (
-    [f"aten.{n}.default" for n in UNARY + IDENTITY]
+    [f"aten.{n}.default" for n in UNARY + IDENTITY + BINARY_DEFAULT]
     + [f"aten.{n}.Tensor" for n in BINARY_TENSOR]
     + [f"aten.{n}.Scalar" for n in ["add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt",
                                     "ge", "rsub", "remainder", "fmod"]]

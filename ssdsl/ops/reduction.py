@@ -22,11 +22,15 @@ def _reduce_sigs(shape, reduced_dims, keepdim: bool):
 
 
 def _reduced_dims(call: Call, shape) -> set[int]:
-    d = call.arg(1, "dim")
+    d = call.arg(_dim_pos(call), "dim")
     if d is None or d == () or d == []:
         return set(range(len(shape)))
     d = [d] if isinstance(d, int) else d
     return {norm_dim(x, len(shape)) for x in d}
+
+
+def _dim_pos(call: Call) -> int:
+    return 2 if call.op.target == "aten.norm.ScalarOpt_dim" else 1
 
 
 def _mean_lower(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
@@ -53,7 +57,7 @@ def reduce(call: Call) -> Annotation:
         red, keep = set(range(len(shape))), False
     else:
         red = _reduced_dims(call, shape)
-        keep = bool(call.arg(2, "keepdim", False))
+        keep = bool(call.arg(_dim_pos(call) + 1, "keepdim", False))
     if target in ("aten.var.correction", "aten.std.correction"):
         keep = bool(call.op.kwargs_dict.get("keepdim", call.arg(3, "keepdim", False)))
     ins, out, labels = _reduce_sigs(shape, red, keep)

@@ -44,7 +44,15 @@ def unflatten(call: Call) -> Annotation:
 def unsqueeze(call: Call) -> Annotation:
     (src,), (dst,) = call.in_shapes, call.out_shapes
     i, o, frozen = reshape_sigs(src, dst)
-    return Annotation((i,), (o,), frozen=frozen)
+    return Annotation((i,), (o,), frozen=frozen, lower=_lower_squeeze)
+
+
+def _lower_squeeze(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
+    # A bare squeeze() would also drop a dim that a part made size 1: name the dims it drops.
+    if call.op.target != "aten.squeeze.default":
+        return LocalCall(call.op.target, args, tuple(kwargs.items()))
+    (src,) = call.in_shapes
+    return LocalCall("aten.squeeze.dims", (args[0], tuple(k for k, s in enumerate(src) if s == 1)))
 
 
 @register("aten.permute.default")
@@ -192,9 +200,15 @@ def slice_(call: Call) -> Annotation:
 
 def _lower_slice(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
     # Only a full or a strided-to-the-end slice can be split along its own dim; the end must then
-    # follow the local size, which "to the end" (None) does.
-    args, kw = set_arg(args, kwargs, 3, "end", None)
-    return LocalCall(call.op.target, args, kw)
+    # follow the local size, which "to the end" (None) does. A partial slice keeps its bounds
+    # (its dim is frozen, so whole in every part).
+    (src,) = call.in_shapes
+    d = norm_dim(call.arg(1, "dim", 0), len(src))
+    end = call.arg(3, "end")
+    if end is None or end >= src[d]:
+        args, kw = set_arg(args, kwargs, 3, "end", None)
+        return LocalCall(call.op.target, args, kw)
+    return LocalCall(call.op.target, args, tuple(kwargs.items()))
 
 
 @register("aten.expand.default")

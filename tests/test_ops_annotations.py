@@ -1,0 +1,256 @@
+"""Every registered annotation, for every splittable label, on a sample call: the parts run on
+slices of random inputs and combined (concatenated, or summed for value splits) equal the whole
+op, forward and gradients (float64, so a wrong scale cannot hide in rounding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssdsl.ops import (
+    Annotation, FrozenDimError, IndivisibleError, NotAnnotated, UnknownDimError, annotate_call,
+    registered,
+)
+from ssdsl.ops.elementwise import BINARY_DEFAULT, BINARY_TENSOR, IDENTITY, UNARY
+from tests.ops_oracle import check_parts, equal_parts, make_call
+
+D = torch.float64
+
+
+def r(*shape, positive: bool = False, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + sum(shape))
+    t = torch.randn(shape, generator=g, dtype=D)
+    return t.abs() + 0.5 if positive else t
+
+
+def ints(high: int, *shape: int) -> torch.Tensor:
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(high))
+
+
+def _elementwise_samples() -> dict[str, list]:
+    s: dict[str, list] = {}
+    for n in UNARY:
+        x = r(4, 6, positive=n in ("log", "sqrt", "rsqrt", "log1p"))
+        if n in ("logical_not", "bitwise_not"):
+            x = x > 0
+        s[f"aten.{n}.default"] = [([x], {})]
+    s["aten.clamp.default"] = [([r(4, 6), -0.5, 0.5], {})]
+    s["aten.clamp_min.default"] = [([r(4, 6), 0.0], {})]
+    s["aten.clamp_max.default"] = [([r(4, 6), 0.0], {})]
+    for n in IDENTITY:
+        s[f"aten.{n}.default"] = [([r(4, 6)], {})]
+    s["aten._to_copy.default"] = [([r(4, 6)], {"dtype": D})]
+    s["aten.dropout.default"] = [([r(4, 6), 0.0, False], {})]
+    for n in BINARY_TENSOR + BINARY_DEFAULT:
+        a, b = r(4, 6, seed=1), r(6, seed=2, positive=True)
+        c, d = r(4, 1, seed=3), r(1, 6, seed=4, positive=True)
+        if n in ("bitwise_and", "bitwise_or", "logical_and", "logical_or"):
+            a, b, c, d = a > 0, b > 1, c > 0, d > 1
+        if n == "floor_divide":
+            a, b, c, d = ints(9, 4, 6), ints(9, 6) + 1, ints(9, 4, 1), ints(9, 1, 6) + 1
+        suffix = "Tensor" if n in BINARY_TENSOR else "default"
+        s[f"aten.{n}.{suffix}"] = [([a, b], {}), ([c, d], {})]
+    for n in ["add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge", "rsub",
+              "remainder", "fmod"]:
+        s[f"aten.{n}.Scalar"] = [([r(4, 6), 2.0], {})]
+    s.update({
+        "aten.pow.Tensor_Scalar": [([r(4, 6, positive=True), 2.5], {})],
+        "aten.pow.Tensor_Tensor": [([r(4, 6, positive=True), r(6)], {})],
+        "aten.pow.Scalar": [([2.0, r(4, 6)], {})],
+        "aten.rsub.Tensor": [([r(4, 6), r(6)], {})],
+        "aten.div.Tensor_mode": [([r(4, 6), r(6, positive=True)], {"rounding_mode": "floor"})],
+        "aten.to.dtype": [([r(4, 6), torch.float32], {})],
+        "aten.to.dtype_layout": [([r(4, 6)], {"dtype": D})],
+        "aten.to.device": [([r(4, 6), torch.device("cpu"), D], {})],
+        "aten.to.other": [([r(4, 6), r(2)], {})],
+        "aten.type_as.default": [([r(4, 6), r(2)], {})],
+        "aten.where.self": [([r(4, 6) > 0, r(4, 6, seed=1), r(6)], {})],
+        "aten.where.ScalarSelf": [([r(4, 6) > 0, 1.0, r(4, 6)], {})],
+        "aten.where.ScalarOther": [([r(4, 6) > 0, r(4, 6), 1.0], {})],
+        "aten.masked_fill.Scalar": [([r(4, 6), r(1, 6) > 0, -1.0], {})],
+        "aten.masked_fill.Tensor": [([r(4, 6), r(4, 1) > 0, torch.tensor(-2.0, dtype=D)], {})],
+        "aten.clamp.Tensor": [([r(4, 6), r(6, seed=5) - 1, r(6, seed=6) + 1], {})],
+        "aten.lerp.Scalar": [([r(4, 6), r(6), 0.3], {})],
+        "aten.lerp.Tensor": [([r(4, 6), r(6), r(4, 1)], {})],
+        "aten.addcmul.default": [([r(4, 6), r(6), r(4, 1)], {"value": 0.5})],
+        "aten.addcdiv.default": [([r(4, 6), r(6), r(4, 1, positive=True)], {"value": 0.5})],
+        "aten.fill.Scalar": [([r(4, 6), 3.0], {})],
+        "aten.zeros_like.default": [([r(4, 6)], {})],
+        "aten.ones_like.default": [([r(4, 6)], {})],
+        "aten.full_like.default": [([r(4, 6), 2.0], {})],
+        "aten.lift_fresh_copy.default": [([r(4, 6)], {})],
+    })
+    return s
+
+
+def _samples() -> dict[str, list]:
+    s = _elementwise_samples()
+    x = r(2, 4, 6)
+    s.update({
+        "aten.linear.default": [([r(2, 3, 8), r(6, 8), r(6)], {}), ([r(4, 8), r(6, 8)], {})],
+        "aten.matmul.default": [([r(2, 3, 4, 8), r(2, 1, 8, 6)], {}), ([r(4, 8), r(8)], {})],
+        "aten.mm.default": [([r(4, 8), r(8, 6)], {})],
+        "aten.bmm.default": [([r(2, 4, 8), r(2, 8, 6)], {})],
+        "aten.addmm.default": [([r(6), r(4, 8), r(8, 6)], {})],
+        "aten.baddbmm.default": [([r(2, 4, 6), r(2, 4, 8), r(2, 8, 6)], {})],
+        "aten.einsum.default": [(["bik,bkj->bij", [r(2, 4, 8), r(2, 8, 6)]], {}),
+                                (["...ij,jk->...ik", [r(2, 4, 6), r(6, 4)]], {}),
+                                (["bsid,bsje->bijde", [r(2, 4, 2, 2), r(2, 4, 4, 2)]], {})],
+        "aten.view.default": [([x, [2, 4, 2, 3]], {}), ([x, [8, 6]], {}), ([x, [2, 24]], {})],
+        "aten.reshape.default": [([x, [-1, 6]], {}), ([r(2, 6, 4), [2, 4, 6]], {})],
+        "aten._unsafe_view.default": [([x, [2, 4, 3, 2]], {})],
+        "aten.flatten.using_ints": [([x, 0, 1], {})],
+        "aten.unflatten.int": [([x, 2, [2, 3]], {})],
+        "aten.unsqueeze.default": [([x, 1], {})],
+        "aten.squeeze.dim": [([r(2, 1, 6), 1], {})],
+        "aten.squeeze.dims": [([r(2, 1, 6, 1), [1, 3]], {})],
+        "aten.squeeze.default": [([r(2, 1, 6)], {})],
+        "aten.permute.default": [([x, [2, 0, 1]], {})],
+        "aten.transpose.int": [([x, 1, 2], {})],
+        "aten.t.default": [([r(4, 6)], {})],
+        "aten.split.Tensor": [([r(2, 4, 12), 4, 2], {}), ([r(2, 5, 6), 2, 1], {})],
+        "aten.unsafe_split.Tensor": [([r(2, 4, 12), 4, 2], {})],
+        "aten.chunk.default": [([r(2, 4, 12), 3, -1], {})],
+        "aten.split_with_sizes.default": [([r(2, 4, 12), [4, 8], 2], {}),
+                                          ([r(2, 4, 12), [6, 6], 2], {})],
+        "aten.cat.default": [([[r(2, 4, seed=1), r(2, 4, seed=2)], 1], {}),
+                             ([[r(2, 4), r(2, 2)], -1], {})],
+        "aten.stack.default": [([[r(2, 4, seed=1), r(2, 4, seed=2)], 1], {})],
+        "aten.unbind.int": [([x, 1], {})],
+        "aten.select.int": [([x, 1, 2], {})],
+        "aten.slice.Tensor": [([x, 2, 0, 9223372036854775807, 1], {}), ([x, 1, 1, None, 2], {}),
+                              ([x, 2, 1, 4], {})],
+        "aten.expand.default": [([r(2, 1, 6), [2, 4, 6]], {}), ([r(6), [3, 4, -1]], {})],
+        "aten.roll.default": [([x, [1, -2], [1, 2]], {})],
+        "aten.index.Tensor": [([r(10, 4), [ints(10, 6, 2)]], {}),
+                              ([r(4, 10), [None, ints(10, 6)]], {})],
+        "aten.sum.dim_IntList": [([x, [1]], {}), ([x, [0, 2], True], {})],
+        "aten.sum.default": [([x], {})],
+        "aten.mean.dim": [([x, [-1]], {}), ([x, [1], True], {})],
+        "aten.mean.default": [([x], {})],
+        "aten.amax.default": [([x, [1]], {})],
+        "aten.amin.default": [([x, [1]], {})],
+        "aten.max.dim": [([x, 1], {})],
+        "aten.min.dim": [([x, 1, True], {})],
+        "aten.argmax.default": [([x, 2], {})],
+        "aten.logsumexp.default": [([x, [2]], {})],
+        "aten.var.correction": [([x, [2]], {"correction": 1, "keepdim": True})],
+        "aten.std.correction": [([x, [2]], {"correction": 1})],
+        "aten.norm.ScalarOpt_dim": [([x, 2, [2]], {})],
+        "aten.prod.dim_int": [([x, 1], {})],
+        "aten.all.dim": [([x > 0, 1], {})],
+        "aten.any.dim": [([x > 0, 1], {})],
+        "aten.softmax.int": [([x, -1], {})],
+        "aten._softmax.default": [([x, 1, False], {})],
+        "aten.log_softmax.int": [([x, -1], {})],
+        "aten._log_softmax.default": [([x, 2, False], {})],
+        "aten.cumsum.default": [([x, 2], {})],
+        "aten.layer_norm.default": [([x, [6], r(6), r(6), 1e-5], {}), ([x, [4, 6]], {})],
+        "aten.rms_norm.default": [([x, [6], r(6), 1e-6], {})],
+        "aten.group_norm.default": [([r(2, 4, 3, 3), 2, r(4), r(4)], {})],
+        "aten.scaled_dot_product_attention.default": [
+            ([r(2, 4, 6, 4, seed=1), r(2, 4, 6, 4, seed=2), r(2, 4, 6, 2, seed=3)],
+             {"is_causal": True}),
+            ([r(2, 4, 6, 4, seed=1), r(2, 4, 5, 4, seed=2), r(2, 4, 5, 4, seed=3),
+              r(2, 1, 6, 5) > -1], {}),
+            ([r(2, 4, 6, 4, seed=1), r(2, 2, 6, 4, seed=2), r(2, 2, 6, 4, seed=3)],
+             {"enable_gqa": True, "scale": 0.3}),
+            ([r(2, 4, 6, 4, seed=1), r(2, 4, 6, 4, seed=2), r(2, 4, 6, 4, seed=3),
+              r(6, 6)], {})],
+        "aten.embedding.default": [([r(10, 6), ints(10, 2, 4)], {})],
+        "aten.cross_entropy_loss.default": [([r(8, 5), ints(5, 8)], {}),
+                                            ([r(4, 5, 6), ints(5, 4, 6)], {"reduction": 2}),
+                                            ([r(8, 5), ints(5, 8), None, 0], {}),
+                                            ([r(8, 5), ints(5, 8), r(5, positive=True)], {})],
+        "aten.nll_loss.default": [([r(8, 5), ints(5, 8)], {})],
+        "aten.nll_loss_nd.default": [([r(4, 5, 6), ints(5, 4, 6)], {})],
+        "aten.mse_loss.default": [([r(4, 6), r(4, 6, seed=9)], {})],
+        "aten.l1_loss.default": [([r(4, 6), r(4, 6, seed=9)], {"reduction": 2})],
+        "aten.smooth_l1_loss.default": [([r(4, 6), r(4, 6, seed=9)], {})],
+        "aten.binary_cross_entropy_with_logits.default": [([r(4, 6), r(4, 6).sigmoid()], {})],
+        "aten.conv1d.default": [([r(2, 4, 8), r(6, 4, 3), r(6)], {})],
+        "aten.conv2d.default": [([r(2, 4, 8, 8), r(6, 4, 2, 2), r(6), [2, 2]], {}),
+                                ([r(2, 4, 6, 6), r(4, 2, 3, 3), None, [1, 1], [1, 1], [1, 1], 2],
+                                 {})],
+        "aten.conv3d.default": [([r(2, 2, 4, 4, 4), r(4, 2, 2, 2, 2), None, [2, 2, 2]], {})],
+        "aten.arange.default": [([8], {})],
+        "aten.arange.start": [([2, 10], {})],
+        "aten.arange.start_step": [([1, 17, 2], {})],
+        "aten.zeros.default": [([[4, 6]], {"dtype": D})],
+        "aten.ones.default": [([[4, 6]], {"dtype": D})],
+        "aten.empty.memory_format": [([[4, 6]], {"dtype": D})],
+        "aten.full.default": [([[4, 6], 1.5], {"dtype": D})],
+        "aten.new_zeros.default": [([x, [4, 6]], {})],
+        "aten.new_ones.default": [([x, [4, 6]], {})],
+        "aten.new_full.default": [([x, [4, 6], 2.0], {})],
+        "aten.new_empty.default": [([x, [4, 6]], {})],
+        "aten.tril.default": [([r(2, 4, 4)], {})],
+        "aten.triu.default": [([r(2, 4, 4), 1], {})],
+    })
+    return s
+
+
+SAMPLES = _samples()
+# Ops whose output values are undefined: only shapes and regions can be compared.
+UNDEFINED = {"aten.empty.memory_format", "aten.new_empty.default"}
+CASES = [(t, i) for t in sorted(registered()) if t not in UNDEFINED
+         for i in range(len(SAMPLES.get(t, [])))]
+
+
+def test_every_registered_op_has_a_sample() -> None:
+    missing = sorted(set(registered()) - set(SAMPLES))
+    assert not missing, f"registered ops without a sample call: {missing}"
+
+
+def _parts_for(ann: Annotation, label: str) -> list[int]:
+    size = ann.sizes()[label]
+    return [n for n in (2, 3) if size % n == 0][:1] or []
+
+
+@pytest.mark.parametrize(("target", "index"), CASES)
+def test_split_parts_combine_to_whole(target: str, index: int) -> None:
+    args, kwargs = SAMPLES[target][index]
+    call, values = make_call(target, args, kwargs)
+    ann = annotate_call(call)
+    assert not isinstance(ann, NotAnnotated), ann
+    labels = ann.splittable()
+    for label in labels:
+        for n in _parts_for(ann, label):
+            check_parts(call, ann, values, equal_parts(ann, label, n))
+
+
+def test_nested_partition_of_two_labels() -> None:
+    """A 2-D plan: linear split along out features and the contracted dim at once."""
+    call, values = make_call("aten.linear.default", [r(4, 8), r(6, 8), r(6)])
+    ann = annotate_call(call)
+    parts = [{"n": (a, a + 3), "k": (b, b + 4)} for a in (0, 3) for b in (0, 4)]
+    check_parts(call, ann, values, parts)
+
+
+def test_strided_region_of_fused_qkv() -> None:
+    """Splitting the h inside (3 h d) reads one interval per q/k/v block."""
+    call, values = make_call("aten.linear.default", [r(2, 8), r(24, 8), r(24)])
+    ann = annotate_call(call).refined("n", [3, 4, 2])
+    part = ann.split(call, "n.1", 2, 1)
+    assert part.outputs[0][1] == ((4, 8), (12, 16), (20, 24))
+    assert part.inputs[1][0] == ((4, 8), (12, 16), (20, 24))
+    check_parts(call, ann, values, equal_parts(ann, "n.1", 2))
+
+
+def test_refused_splits_say_why() -> None:
+    call, _ = make_call("aten.softmax.int", [r(2, 4, 6), -1])
+    ann = annotate_call(call)
+    with pytest.raises(FrozenDimError, match="softmax normalizes along it"):
+        ann.split(call, "d2", 2, 0)
+    with pytest.raises(IndivisibleError):
+        ann.split(call, "d1", 3, 0)
+    with pytest.raises(UnknownDimError, match="its dimensions"):
+        ann.split(call, "nope", 2, 0)
+
+
+def test_causal_attention_freezes_query_sequence() -> None:
+    call, _ = make_call("aten.scaled_dot_product_attention.default",
+                        [r(1, 2, 4, 2), r(1, 2, 4, 2), r(1, 2, 4, 2)], {"is_causal": True})
+    labels = annotate_call(call).labels()
+    assert labels["L"].mark == "frozen" and "causal" in labels["L"].reason
+    assert labels["b1"].mark == "spatial"
