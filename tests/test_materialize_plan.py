@@ -145,3 +145,13 @@ def test_large_groups_plan_fast():
         ad = plan_adapter(shape, torch.bfloat16, a, b)
         assert ad.kinds == ("reduce_scatter",)
     assert time.perf_counter() - t0 < 30  # generous; the benchmark measures the real figure
+
+
+def test_verifier_catches_a_wrong_adapter():
+    import attrs
+    ad = plan_adapter(S, torch.float32, lay(d=(4, 1)), lay(r=4))
+    step = ad.steps[0]
+    wrong = attrs.evolve(ad, steps=(attrs.evolve(step, groups=((1, 0, 2, 3),)),))
+    assert verify_adapter(wrong)  # rows out of order
+    dropped = attrs.evolve(ad, steps=(attrs.evolve(step, dim=1),))
+    assert verify_adapter(dropped)  # gathered along the wrong dim: wrong shape

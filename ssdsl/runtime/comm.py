@@ -433,3 +433,30 @@ def verify_adapter(adapter: Adapter, *, seed: int = 0, atol: float = 1e-5) -> li
         if len(by_k) == v and not torch.allclose(sum(by_k.values()), want, atol=atol):
             problems.append(f"the {v} value parts of {ivs} do not sum to the value")
     return problems
+
+
+# -- weight-gradient reducers -------------------------------------------------------------------
+
+
+def reduce_gradients(reducer, rank: int, grads: dict, *, groups: ProcessGroups | None = None,
+                     simulate: dict[int, dict] | None = None) -> None:
+    """Sum, in place, the gradients of every bucket that ``rank`` is in.
+
+    ``grads`` maps ``(weight name, Region)`` to this rank's gradient tensor of that region. With
+    ``simulate`` (device -> such a dict, every device at once) no process group is used.
+    """
+    if simulate is not None:
+        for b in reducer.buckets:
+            total = [sum(simulate[d][e] for d in b.devices) for e in b.entries]
+            for d in b.devices:
+                for e, t in zip(b.entries, total):
+                    simulate[d][e].copy_(t)
+        return
+    for b in reducer.buckets_of(rank):
+        flat = torch.cat([grads[e].reshape(-1) for e in b.entries])
+        dist.all_reduce(flat, group=_pg(groups, b.devices))
+        offset = 0
+        for e in b.entries:
+            n = grads[e].numel()
+            grads[e].copy_(flat[offset:offset + n].view_as(grads[e]))
+            offset += n

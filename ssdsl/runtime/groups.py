@@ -11,13 +11,14 @@ from collections.abc import Iterable
 
 import torch.distributed as dist
 
+from ssdsl.materialize.reducer import GradReducer
 from ssdsl.materialize.steps import Adapter, CollectiveStep
 
 
-def groups_of(adapters: Iterable[Adapter]) -> list[tuple[int, ...]]:
+def groups_of(adapters: Iterable[Adapter], reducers: Iterable[GradReducer] = ()) -> list[tuple[int, ...]]:
     """Every device set (sorted, of 2 or more) that the adapters' collectives use, forward and
-    backward, in a deterministic order."""
-    found: set[tuple[int, ...]] = set()
+    backward, and the reducers' buckets, in a deterministic order."""
+    found: set[tuple[int, ...]] = {b.devices for r in reducers for b in r.buckets}
     stack = list(adapters)
     while stack:
         ad = stack.pop()
