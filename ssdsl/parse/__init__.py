@@ -1,0 +1,173 @@
+"""Phase 1, parse: ``.ssp`` text to the AST of ``ssdsl.parse.ast``.
+
+>>> parsed = parse_text("plan p(n: int = 2)\\npartition all along batch into n\\n", "p.ssp")
+>>> parsed.plan.name, len(parsed.plan.body)
+('p', 1)
+
+The grammar (``grammar/ssp.lark``) is loaded once and cached. Syntax errors become
+``PlanSyntaxError`` subclasses with friendly messages (``ssdsl.parse.syntax_examples``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from functools import cache
+from pathlib import Path
+
+import attrs
+from lark import Lark, Token
+from lark.exceptions import (UnexpectedCharacters, UnexpectedEOF, UnexpectedInput,
+                             UnexpectedToken, VisitError)
+
+from ssdsl.errors import SsdslError
+from ssdsl.parse import ast
+from ssdsl.parse.build import Builder
+from ssdsl.parse.errors import (PlanSyntaxError, TooDeep, UnexpectedCharacter, UnexpectedEnd,
+                                UnknownKeyword)
+from ssdsl.parse.postlex import Comment, Postlexer
+from ssdsl.resources import grammar_dir
+from ssdsl.source import Span, remember_source
+
+__all__ = ["Parsed", "parse_text", "parse_file", "ast", "Comment", "KEYWORDS"]
+
+# The postlexer collects comments per parse; Lark objects are shared, so parses take turns.
+_LOCK = threading.RLock()
+
+KEYWORDS = ("plan", "let", "partition", "replicate", "assign", "order", "microbatch", "stages",
+            "recompute", "zero", "mesh", "use", "require", "for", "if", "elif", "else", "along",
+            "into", "to", "each", "part", "of", "in", "before", "on", "device", "devices", "as",
+            "over", "grid", "from", "interleave", "forward", "backward", "input_grad",
+            "weight_grad", "mb", "all", "rest", "kind", "except", "and", "or", "not", "true",
+            "false")
+
+
+@attrs.frozen
+class Parsed:
+    """A parsed file: the AST, its comments (for the formatter), and the text it came from."""
+
+    plan: ast.Plan
+    comments: tuple[Comment, ...]
+    text: str
+    file: str
+
+
+@cache
+def _parser() -> tuple[Lark, Postlexer]:
+    post = Postlexer()
+    lark = Lark.open(str(grammar_dir() / "ssp.lark"), parser="lalr", lexer="contextual",
+                     postlex=post, propagate_positions=True, maybe_placeholders=True,
+                     cache=False)
+    return lark, post
+
+
+def parse_text(text: str, file: str = "<plan>") -> Parsed:
+    """Parse plan text; ``file`` is the name spans and error messages use."""
+    remember_source(file, text)
+    lark, post = _parser()
+    source = text if text.endswith("\n") else text + "\n"
+    with _LOCK:
+        post.begin(file)
+        try:
+            tree = lark.parse(source)
+        except UnexpectedInput as exc:
+            raise _friendly(exc, file, source) from None
+        except RecursionError:
+            raise TooDeep("the plan nests too deeply for the parser", Span.point(file, 1, 1)) from None
+        comments = tuple(post.comments)
+    try:
+        plan = Builder(file).transform(tree)
+    except VisitError as exc:
+        if isinstance(exc.orig_exc, SsdslError):
+            raise exc.orig_exc from None
+        if isinstance(exc.orig_exc, RecursionError):
+            raise TooDeep("the plan nests too deeply", Span.point(file, 1, 1)) from None
+        raise
+    except RecursionError:
+        raise TooDeep("the plan nests too deeply", Span.point(file, 1, 1)) from None
+    return Parsed(plan, comments, text, file)
+
+
+def parse_file(path: str | Path, *, name: str | None = None) -> Parsed:
+    """Read and parse a plan file; spans name it ``name`` (default: the path as given)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanSyntaxError(f"cannot read plan file {path}: {exc}", file=str(path)) from None
+    return parse_text(text, name or str(path))
+
+
+# ---------------------------------------------------------------- friendly syntax errors
+
+_TOKEN_WORDS = {"NAME": "a name", "INT": "an integer", "FLOAT": "a number", "STRING": "a string",
+                "_NL": "the end of the line", "$END": "the end of the file", "_INDENT":
+                "an indented block", "_DEDENT": "the end of the block", "DOCSTRING": "a docstring",
+                "PASS": "forward/backward", "COMP_OP": "a comparison", "ADD_OP": "+ or -",
+                "MUL_OP": "*, /, // or %"}
+
+
+@cache
+def _terminal_words() -> dict[str, str]:
+    lark, _ = _parser()
+    words = dict(_TOKEN_WORDS)
+    for term in lark.terminals:
+        if term.name not in words and term.pattern.type == "str":
+            words[term.name] = f"'{term.pattern.value}'"
+    return words
+
+
+def describe_token(tok: Token) -> str:
+    """How an error message names a token."""
+    if tok.type in ("_NL", "$END", "_INDENT", "_DEDENT"):
+        return _TOKEN_WORDS[tok.type]
+    return f"'{tok}'"
+
+
+def _expected_text(expected: set[str]) -> str:
+    words = sorted({_terminal_words().get(e, e) for e in expected})
+    if len(words) > 8:
+        return ", ".join(words[:8]) + ", ..."
+    return ", ".join(words)
+
+
+def _friendly(exc: UnexpectedInput, file: str, source: str) -> SsdslError:
+    """Turn a Lark error into the project's error: a typo, an example match, or a generic one."""
+    from ssdsl.parse.syntax_examples import match_example
+
+    line, column = exc.line if exc.line > 0 else 1, exc.column if exc.column > 0 else 1
+    if isinstance(exc, UnexpectedCharacters):
+        char = source[exc.pos_in_stream] if exc.pos_in_stream < len(source) else "?"
+        return UnexpectedCharacter(f"unexpected character {char!r}", Span.point(file, line, column),
+                                   hint="plans use names, numbers, strings and the operators "
+                                        "+ - * / // % .. == != < <= > >= | & [ ] ( ) { } , : =")
+    tok = getattr(exc, "token", None)
+    if isinstance(exc, UnexpectedEOF) or (tok is not None and tok.type == "$END"):
+        last = source.rstrip().splitlines() or [""]
+        return UnexpectedEnd("the file ends in the middle of a statement",
+                             Span.point(file, len(last), max(1, len(last[-1]))),
+                             hint="close every bracket and finish the statement")
+    assert isinstance(exc, UnexpectedToken)
+    span = Span.from_meta(file, tok) if tok.type not in ("_INDENT", "_DEDENT") else \
+        Span.point(file, line, column)
+    if tok.type == "_NL":
+        span = Span.point(file, line, column)
+    typo = _keyword_typo(tok, exc.expected)
+    if typo:
+        return UnknownKeyword(f"unknown keyword '{tok}' (did you mean '{typo}'?)", span,
+                              hint=f"write '{typo}'")
+    example = match_example(exc, source)
+    if example is not None:
+        cls, message, hint = example
+        return cls(message, span, hint=hint)
+    return PlanSyntaxError(f"unexpected {describe_token(tok)}; expected "
+                           f"{_expected_text(exc.expected)}", span)
+
+
+def _keyword_typo(tok: Token, expected: set[str]) -> str | None:
+    if tok.type != "NAME":
+        return None
+    keywords = [w.strip("'") for e in expected if (w := _terminal_words().get(e, "")).startswith("'")]
+    keywords = [k for k in keywords if k.isidentifier()] or list(KEYWORDS)
+    close = difflib.get_close_matches(str(tok), keywords, n=1, cutoff=0.75)
+    return close[0] if close else None
