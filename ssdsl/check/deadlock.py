@@ -102,14 +102,16 @@ def _peer(op: _Op) -> int:
     return op.msg.src_device if op.kind == _RECV else op.msg.dst_device
 
 
-def _step_async(ops: list[_Op], pc: int, sent: set[Message]) -> int:
-    """Advance one device as far as it goes alone; returns its new program counter."""
+def _step_async(ops: list[_Op], pc: int, sent: set[Message], woken: list[Message]) -> int:
+    """Advance one device as far as it goes alone; returns its new program counter and lists the
+    messages it sent in ``woken``."""
     while pc < len(ops):
         op = ops[pc]
         if op.kind == _RECV and op.msg not in sent:
             break
         if op.kind == _SEND:
             sent.add(op.msg)  # type: ignore[arg-type]
+            woken.append(op.msg)  # type: ignore[arg-type]
         pc += 1
     return pc
 
@@ -117,19 +119,16 @@ def _step_async(ops: list[_Op], pc: int, sent: set[Message]) -> int:
 def _run_async(ops: list[list[_Op]]) -> list[int]:
     pcs = [0] * len(ops)
     sent: set[Message] = set()
-    # Wake a device only when a message it waits for is sent: linear in the number of operations.
+    # Wake a device only when the message it waits for is sent: linear in the operations.
     waiting: dict[Message, int] = {}
     todo = list(range(len(ops)))
     while todo:
         d = todo.pop()
-        before = len(sent)
-        pcs[d] = _step_async(ops[d], pcs[d], sent)
+        woken: list[Message] = []
+        pcs[d] = _step_async(ops[d], pcs[d], sent, woken)
         if pcs[d] < len(ops[d]):
             waiting[ops[d][pcs[d]].msg] = d  # type: ignore[index]
-        if len(sent) != before:
-            for msg in list(waiting):
-                if msg in sent:
-                    todo.append(waiting.pop(msg))
+        todo += [waiting.pop(msg) for msg in woken if msg in waiting]
     return pcs
 
 

@@ -52,7 +52,7 @@ def required_units(stages: StageGraph, microbatches: int, *,
                 yield Unit(s, kind, m)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Message:
     """A tensor that ``src`` (a unit on device ``src_device``) sends to ``dst`` on ``dst_device``."""
 

@@ -36,20 +36,20 @@ class Pass(enum.Enum):
     I = "I"  # noqa: E741 - the standard letter for the input-gradient half
     W = "W"
 
-    @property
-    def is_forward(self) -> bool:
-        return self is Pass.F
+    # Members are singletons compared by identity: the C-level identity hash is consistent with
+    # that and several times faster than Enum's, which schedules of 10^5 units notice.
+    __hash__ = object.__hash__
 
 
 _UNIT_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=True, cache_hash=True)
 class Unit:
     """One pass of one stage on one micro-batch; orders by (stage, kind, mb) only for determinism."""
 
     stage: int
-    kind: Pass = attrs.field(converter=Pass, order=lambda p: "FBIW".index(p.value))
+    kind: Pass = attrs.field(order=lambda p: "FBIW".index(p.value))
     mb: int = 0
 
     @classmethod
@@ -122,13 +122,22 @@ class StageGraph:
     """
 
     devices: tuple[int, ...] = attrs.field(converter=tuple)
-    edges: tuple[tuple[int, int], ...] = attrs.field(converter=lambda es: tuple(sorted(set(es))))
+    edges: tuple[tuple[int, int], ...] = attrs.field(
+        converter=lambda es: tuple(sorted({(int(a), int(b)) for a, b in es})))
+    # Adjacency, derived once: schedules ask for it per unit, hundreds of thousands of times.
+    _preds: tuple[tuple[int, ...], ...] = attrs.field(init=False, eq=False, repr=False)
+    _succs: tuple[tuple[int, ...], ...] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         for src, dst in self.edges:
             if not 0 <= src < dst < self.num_stages:
                 raise ValueError(f"stage edge {src}->{dst} must go forward between existing stages "
                                  f"(0..{self.num_stages - 1})")
+        n = self.num_stages
+        object.__setattr__(self, "_preds", tuple(tuple(a for a, b in self.edges if b == s)
+                                                 for s in range(n)))
+        object.__setattr__(self, "_succs", tuple(tuple(b for a, b in self.edges if a == s)
+                                                 for s in range(n)))
 
     @classmethod
     def chain(cls, devices: Sequence[int]) -> StageGraph:
@@ -144,10 +153,12 @@ class StageGraph:
         return max(self.devices) + 1 if self.devices else 0
 
     def preds(self, stage: int) -> tuple[int, ...]:
-        return tuple(s for s, d in self.edges if d == stage)
+        """The stages whose outputs ``stage`` reads, in increasing order."""
+        return self._preds[stage]
 
     def succs(self, stage: int) -> tuple[int, ...]:
-        return tuple(d for s, d in self.edges if s == stage)
+        """The stages that read the outputs of ``stage``, in increasing order."""
+        return self._succs[stage]
 
     def stages_on(self, device: int) -> tuple[int, ...]:
         return tuple(s for s, d in enumerate(self.devices) if d == device)
