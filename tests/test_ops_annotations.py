@@ -12,7 +12,7 @@ from ssdsl.ops import (
     registered,
 )
 from ssdsl.ops.elementwise import BINARY_DEFAULT, BINARY_TENSOR, IDENTITY, UNARY
-from tests.ops_oracle import check_parts, equal_parts, make_call
+from tests.test_ops_oracle import check_parts, equal_parts, make_call
 
 D = torch.float64
 
