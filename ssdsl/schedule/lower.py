@@ -1,0 +1,268 @@
+"""Lower the elaborated ``microbatch`` / ``stages`` / ``assign`` / ``order`` directives to a Schedule.
+
+- ``microbatch ... into m`` gives the micro-batch count (1 without one).
+- ``stages ... as st`` names the stages; ``assign st[i] to devices G`` puts stage i on the device
+  group G. Stages whose groups are equal share a pipeline rank (interleaved chunks); a group of
+  several devices (a stage that is also data- or tensor-parallel) is one *pipeline rank* whose
+  devices all run the same program, so the schedule is built over ranks: ``Lowered.groups[r]``
+  are the devices of rank r.
+- ``order on devices G: ...`` sequences concatenate, in plan order, into the program of G's rank;
+  every unit keeps the span of its statement, so the checker's errors point at it.
+- A rank with no sequence gets the default order: a topological order of data edges plus the
+  ``a before b`` edges, GPipe-like where they leave a choice (forwards first, by micro-batch).
+  On ranks with a sequence, ``a before b`` is checked against it (``OrderConflict``).
+- A cycle of ``before`` edges and data edges is an error at the ``before`` statements on it.
+
+The stage DAG (which stage feeds which) comes from the traced graph; without it, a chain.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from ssdsl.elaborate.directives import (Assign, Microbatch, OrderBefore, OrderSequence, StageRef,
+                                        Stages, WorkUnit)
+from ssdsl.errors import ErrorCollector, SsdslError
+from ssdsl.schedule.deps import data_deps, required_units
+from ssdsl.schedule.units import Pass, Program, Schedule, StageGraph, Unit
+from ssdsl.source import Span
+
+_PASSES = {"forward": Pass.F, "backward": Pass.B, "input_grad": Pass.I, "weight_grad": Pass.W}
+
+
+class LowerError(SsdslError):
+    """Root of the errors of lowering schedule directives."""
+
+
+class UnassignedStage(LowerError):
+    """A stage is never assigned to a device."""
+
+
+class StageAssignedTwice(LowerError):
+    """A stage is assigned to two different device groups."""
+
+
+class UnsupportedOrderUnit(LowerError):
+    """An order statement names something other than a pass of a stage for a micro-batch."""
+
+
+class OrderConflict(LowerError):
+    """An ``a before b`` statement contradicts an order sequence or the data dependencies."""
+
+
+class SeveralPipelines(LowerError):
+    """More than one ``stages`` statement: one pipeline per plan is supported."""
+
+
+@attrs.frozen
+class Lowered:
+    """A schedule over pipeline ranks; ``groups[r]`` are the devices rank r stands for."""
+
+    schedule: Schedule
+    groups: tuple[tuple[int, ...], ...]
+    stage_name: str
+
+
+def _stages(directives: Sequence[object]) -> Stages | None:
+    found = [d for d in directives if isinstance(d, Stages)]
+    if len(found) > 1:
+        raise SeveralPipelines("a second 'stages' statement; a plan has one pipeline",
+                               found[1].span, hint=f"the first is at {found[0].span}")
+    return found[0] if found else None
+
+
+def _stage_groups(directives: Sequence[object], st: Stages) -> list[tuple[int, ...]]:
+    groups: dict[int, tuple[tuple[int, ...], Span]] = {}
+    errors = ErrorCollector()
+    for d in directives:
+        if isinstance(d, Assign) and isinstance(d.selector, StageRef) \
+                and d.selector.group == st.name:
+            i = d.selector.index
+            if i in groups and groups[i][0] != d.devices:
+                errors.add(StageAssignedTwice(
+                    f"stage {st.name}[{i}] is assigned to devices {list(d.devices)} here and to "
+                    f"{list(groups[i][0])} at line {groups[i][1].line}", d.span))
+            groups.setdefault(i, (d.devices, d.span))
+    for i in range(st.count):
+        if i not in groups:
+            errors.add(UnassignedStage(f"stage {st.name}[{i}] is not assigned to any device",
+                                       st.span, hint=f"add 'assign {st.name}[{i}] to device N'"))
+    errors.raise_if_any()
+    return [groups[i][0] for i in range(st.count)]
+
+
+def _unit(wu: WorkUnit, st: Stages, span: Span) -> Unit:
+    sel = wu.selector
+    if wu.pass_ not in _PASSES or not isinstance(sel, StageRef) or sel.group != st.name \
+            or wu.mb is None:
+        raise UnsupportedOrderUnit(
+            f"cannot order '{wu}': pipeline order statements name a pass of a stage for a "
+            f"micro-batch", span, hint=f"e.g. 'forward {st.name}[0] mb 0'")
+    return Unit(sel.index, _PASSES[wu.pass_], wu.mb)
+
+
+def _rank_of(groups: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
+    # Ranks in order of first device, so a plain pipeline keeps rank == device.
+    return {g: r for r, g in enumerate(sorted(set(groups), key=lambda g: (min(g), g)))}
+
+
+def lower_schedule(directives: Sequence[object], *,
+                   edges: Iterable[tuple[int, int]] | None = None) -> Lowered | None:
+    """The schedule the directives describe, or ``None`` when the plan has no ``stages``.
+
+    ``edges``: the stage DAG from the traced graph (default: a chain, stage i feeds i + 1).
+    The result is not checked yet: run ``ssdsl.check.check_schedule`` on ``.schedule``.
+    """
+    st = _stages(directives)
+    if st is None:
+        return None
+    groups = _stage_groups(directives, st)
+    rank = _rank_of(groups)
+    graph = StageGraph([rank[g] for g in groups],
+                       edges if edges is not None else [(i, i + 1) for i in range(st.count - 1)])
+    mbs = [d.count for d in directives if isinstance(d, Microbatch)]
+    m = mbs[-1] if mbs else 1
+    seqs, befores = _orders(directives, st, rank)
+    split = any(u.kind in (Pass.I, Pass.W) for _, us in seqs.items() for u, _ in us) or \
+        any(u.kind in (Pass.I, Pass.W) for b in befores for u in b[:2])
+    programs = _programs(graph, m, split, seqs, befores)
+    schedule = Schedule(graph, m, programs, split)
+    ordered = sorted(rank, key=rank.__getitem__)
+    return Lowered(schedule, tuple(ordered), st.name)
+
+
+_Before = tuple[Unit, Unit, Span]
+
+
+def _orders(directives: Sequence[object], st: Stages, rank: dict[tuple[int, ...], int]
+            ) -> tuple[dict[int, list[tuple[Unit, Span]]], list[_Before]]:
+    seqs: dict[int, list[tuple[Unit, Span]]] = defaultdict(list)
+    befores: list[_Before] = []
+    errors = ErrorCollector()
+    for d in directives:
+        with errors.catch():
+            if isinstance(d, OrderSequence):
+                r = _sequence_rank(d, rank)
+                seqs[r] += [(_unit(wu, st, d.span), d.span) for wu in d.units]
+            elif isinstance(d, OrderBefore):
+                befores.append((_unit(d.before, st, d.span), _unit(d.after, st, d.span), d.span))
+    errors.raise_if_any()
+    return seqs, befores
+
+
+def _sequence_rank(d: OrderSequence, rank: dict[tuple[int, ...], int]) -> int:
+    if d.devices in rank:
+        return rank[d.devices]
+    owners = [g for g in rank if set(d.devices) <= set(g)]
+    if len(owners) == 1 and len(d.devices) == 1:
+        return rank[owners[0]]
+    raise UnsupportedOrderUnit(
+        f"order on devices {list(d.devices)}: no stage is assigned to exactly this device group",
+        d.span, hint="order on the same devices a stage is assigned to")
+
+
+def _programs(g: StageGraph, m: int, split: bool, seqs: dict[int, list[tuple[Unit, Span]]],
+              befores: list[_Before]) -> list[Program]:
+    needs_auto = any(r not in seqs for r in range(g.num_devices))
+    auto = _default_order(g, m, split, seqs, befores) if needs_auto else {}
+    progs = []
+    for r in range(g.num_devices):
+        if r in seqs:
+            units, spans = zip(*seqs[r]) if seqs[r] else ((), ())
+            progs.append(Program(r, units, spans))
+        else:
+            progs.append(Program(r, [u for u, _ in auto[r]], [s for _, s in auto[r]]))
+    _check_befores(progs, befores)
+    return progs
+
+
+def _check_befores(progs: list[Program], befores: list[_Before]) -> None:
+    pos = {u: (p.device, k) for p in progs for k, u in enumerate(p.units)}
+    errors = ErrorCollector()
+    for a, b, span in befores:
+        if a in pos and b in pos and pos[a][0] == pos[b][0] and pos[a][1] > pos[b][1]:
+            errors.add(OrderConflict(f"'{a} before {b}' contradicts the order on device "
+                                     f"{pos[a][0]}, which runs {b} first", span))
+    errors.raise_if_any()
+
+
+def _priority(u: Unit) -> tuple[int, int, int]:
+    # GPipe-like where nothing else decides: forwards before backward passes, by micro-batch;
+    # deeper stages first among backwards so gradients flow without waiting.
+    kind = 0 if u.kind is Pass.F else 1
+    return (kind, u.mb, u.stage if kind == 0 else -u.stage)
+
+
+def _default_order(g: StageGraph, m: int, split: bool, seqs: dict[int, list[tuple[Unit, Span]]],
+                   befores: list[_Before]) -> dict[int, list[tuple[Unit, Span | None]]]:
+    """A topological order of every unit (data edges, before edges, given sequences), by priority;
+    projected per rank. A cycle is an error at the ``before`` statements on it."""
+    units = list(required_units(g, m, split_backward=split))
+    succ: dict[Unit, list[Unit]] = defaultdict(list)
+    indeg: dict[Unit, int] = {u: 0 for u in units}
+    span_of: dict[Unit, Span | None] = {}
+
+    def edge(a: Unit, b: Unit) -> None:
+        if a in indeg and b in indeg:
+            succ[a].append(b)
+            indeg[b] += 1
+
+    for u in units:
+        for dep in data_deps(u, g, split_backward=split):
+            edge(dep, u)
+    for seq in seqs.values():
+        for (a, _), (b, _) in zip(seq, seq[1:]):
+            edge(a, b)
+    for a, b, span in befores:
+        edge(a, b)
+        span_of.setdefault(a, span)
+        span_of.setdefault(b, span)
+    heap = [(_priority(u), u) for u in units if indeg[u] == 0]
+    heapq.heapify(heap)
+    out: dict[int, list[tuple[Unit, Span | None]]] = defaultdict(list)
+    done = 0
+    while heap:
+        _, u = heapq.heappop(heap)
+        done += 1
+        out[g.devices[u.stage]].append((u, span_of.get(u)))
+        for v in succ[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(heap, (_priority(v), v))
+    if done < len(units):
+        left = sorted((u for u, n in indeg.items() if n > 0), key=_priority)
+        _raise_cycle(set(left), succ, befores)
+        # The cycle runs through order sequences only: the checker reports those, at their
+        # statements; finish the default order so that it can.
+        for u in left:
+            out[g.devices[u.stage]].append((u, span_of.get(u)))
+    return out
+
+
+def _raise_cycle(left: set[Unit], succ: dict[Unit, list[Unit]], befores: list[_Before]) -> None:
+    """Raise ``OrderConflict`` for a cycle among ``left`` that a ``before`` statement is on."""
+    preds: dict[Unit, list[Unit]] = defaultdict(list)
+    for a, vs in succ.items():
+        for b in vs:
+            if a in left and b in left:
+                preds[b].append(a)
+    # Every unit left still waits for a predecessor that is left: walking predecessors must
+    # come back to a unit already seen, and the walk from there is a cycle.
+    u, path = min(left), []
+    while u not in path:
+        path.append(u)
+        u = min(preds[u])
+    cycle = list(reversed(path[path.index(u):]))
+    cycle.append(cycle[0])
+    pairs = set(zip(cycle, cycle[1:]))
+    spans = sorted({s for a, b, s in befores if (a, b) in pairs})
+    if not spans:
+        return
+    text = " -> ".join(str(x) for x in cycle)
+    also = f" (also line {', '.join(str(s.line) for s in spans[1:])})" if len(spans) > 1 else ""
+    raise OrderConflict(f"order statements and data dependencies form a cycle: {text}", spans[0],
+                        hint=f"remove or reverse one of the 'before' statements on the cycle{also}")
