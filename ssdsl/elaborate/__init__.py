@@ -94,7 +94,8 @@ def elaborate(parsed: Parsed, *, args: Mapping[str, Any] | None = None,
     try:
         given.update(_read_sets(parsed.plan, sets))
         env = el.bind(parsed.plan, given, None)
-        el.run_plan(parsed, env)
+        if not el.errors:
+            el.run_plan(parsed, env)
     except _Abort:
         pass
     except SsdslError as err:
@@ -124,7 +125,7 @@ def _read_sets(plan: A.Plan, sets: Mapping[str, str]) -> dict[str, tuple[Any, An
         p = params.get(name)
         if p is None:
             raise UnknownParameter(f"--set {name}=...: plan '{plan.name}' has no parameter "
-                                   f"'{name}'{suggest(name, params)}", plan.span,
+                                   f"'{name}'{suggest(name, params)}", plan.name_span,
                                    hint="parameters: " + (", ".join(params) or "none"))
         out[name] = (_read_value(p, text), p.span)
     return out

@@ -136,7 +136,7 @@ class Elaborator:
             if name not in declared:
                 self.report(E.UnknownParameter(
                     f"plan '{plan.name}' has no parameter '{name}'{suggest(name, declared)}",
-                    span or plan.span, hint=_params_hint(plan)))
+                    span or plan.name_span, hint=_params_hint(plan)))
         for p in plan.params:
             try:
                 env[p.name] = self._param_value(p, given, env, call_span, plan)
@@ -332,8 +332,10 @@ class Elaborator:
                                  hint="remove the use that closes the cycle")
         parsed = self.loader.load(path)
         given = self._use_args(s, parsed.plan, env)
+        before = len(self.errors)
         inner = self.bind(parsed.plan, given, s.span)
-        self.run_plan(parsed, inner)
+        if len(self.errors) == before:  # a plan with unbound parameters would only cascade
+            self.run_plan(parsed, inner)
 
     def _use_args(self, s: A.Use, plan: A.Plan, env: dict) -> dict[str, tuple[Any, Span]]:
         given: dict[str, tuple[Any, Span]] = {}

@@ -145,7 +145,7 @@ def _friendly(exc: UnexpectedInput, file: str, source: str) -> SsdslError:
     if isinstance(exc, UnexpectedEOF) or (tok is not None and tok.type == "$END"):
         last = source.rstrip().splitlines() or [""]
         return UnexpectedEnd("the file ends in the middle of a statement",
-                             Span.point(file, len(last), max(1, len(last[-1]))),
+                             Span.point(file, len(last), len(last[-1]) + 1),
                              hint="close every bracket and finish the statement")
     assert isinstance(exc, UnexpectedToken)
     span = Span.from_meta(file, tok) if tok.type not in ("_INDENT", "_DEDENT") else \

@@ -364,3 +364,4 @@ class Plan:
     body: tuple[Stmt, ...]
     span: Span  # the header
     doc_span: Span | None
+    name_span: Span

@@ -39,12 +39,12 @@ class Builder(Transformer):
         header = ch[0]
         doc = ch[1] if len(ch) > 1 and isinstance(ch[1], tuple) and ch[1][0] == "doc" else None
         body = tuple(ch[2:] if doc else ch[1:])
-        name, params, span = header
+        name, params, span, name_span = header
         return A.Plan(name, params, bool(params), doc[1] if doc else None, doc[2] if doc else None,
-                      body, span, doc[3] if doc else None)
+                      body, span, doc[3] if doc else None, name_span)
 
     def header(self, meta, ch):
-        return (str(ch[0]), tuple(_present(ch[1:])), self._sp(meta))
+        return (str(ch[0]), tuple(_present(ch[1:])), self._sp(meta), self._tok(ch[0]))
 
     def param(self, meta, ch):
         return A.Param(str(ch[0]), str(ch[1]), ch[2], self._sp(meta), self._tok(ch[1]))

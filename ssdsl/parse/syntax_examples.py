@@ -19,7 +19,8 @@ H = "plan p(n: int = 2)\n"
 TABLE: tuple[tuple[type[E.PlanSyntaxError], str, str, tuple[str, ...]], ...] = (
     (E.MissingPlanHeader, "a plan file starts with 'plan NAME(PARAMS)'",
      "add a header such as: plan my_plan(n: int = world)",
-     ("partition all along batch into 2\n", "let x = 1\n", "for i in 0..2:\n  let x = i\n")),
+     ("partition all along batch into 2\n", "let x = 1\n", "for i in 0..2:\n  let x = i\n",
+      "# a comment\npartition all along batch into 2\n", "# a comment\nlet x = 1\n")),
     (E.MissingParamType, "a plan parameter needs a type",
      "write NAME: TYPE = DEFAULT, with TYPE one of int, float, bool, str, list",
      ("plan p(n)\n", "plan p(n = 2)\n", "plan p(a: int, n = 2)\n", "plan p(a: int, n)\n")),
@@ -69,11 +70,26 @@ def match_example(exc: UnexpectedInput, source: str
         post.begin("<example>")
         return lark.parse(text)
 
-    try:
-        label = exc.match_examples(parse, _examples(), use_accepts=True)
-    except E.PlanSyntaxError:  # an example that trips the postlexer; the table test catches it
-        return None
-    if label is None:
-        return None
-    cls, message, hint, _ = TABLE[label]
-    return cls, message, hint
+    want = _position(exc)
+    fallback = None
+    for label, examples in _examples().items():
+        for text in examples:
+            try:
+                parse(text)
+            except UnexpectedInput as ut:
+                if _position(ut) != want:
+                    continue
+                if getattr(ut, "token", None) == getattr(exc, "token", None):
+                    return TABLE[label][:3]
+                fallback = fallback if fallback is not None else label
+            except E.PlanSyntaxError:  # an example that trips the postlexer; a test catches it
+                continue
+    return TABLE[fallback][:3] if fallback is not None else None
+
+
+def _position(exc: UnexpectedInput) -> object:
+    """The parser state an error happened in, independent of how deep the stack is (Lark's own
+    ``match_examples`` also compares the depth, so a mistake inside a block would not match an
+    example written at the top level)."""
+    state = getattr(exc, "state", None)
+    return getattr(state, "position", state)
