@@ -1,0 +1,96 @@
+"""``ssdsl show [MODEL] PLAN``: the plan's pipeline schedule as a timeline, in text and as a picture.
+
+The plan is elaborated, its ``microbatch``/``stages``/``assign``/``order`` statements lowered to
+per-device programs, checked (errors point at the order statements), and simulated with unit
+costs (forward 1, backward 2 unless ``--forward``/``--backward``): the terminal gets a coloured
+grid and the figures (bubble, peak activations), ``-o`` gets an SVG (or PNG, via rsvg-convert).
+Per-stage costs estimated from MODEL come once the graph phases are connected; until then a
+model file is accepted and unit costs are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from ssdsl.check import CommModel, check_schedule
+from ssdsl.cli.check import add_plan_options, elaborate_from_args
+from ssdsl.errors import UsageError
+from ssdsl.schedule.lower import lower_schedule
+from ssdsl.schedule.picture import timeline_svg, timeline_text
+from ssdsl.schedule.simulate import Costs, simulate
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("show", help="draw a plan's pipeline schedule",
+                              description="Lower, check and simulate the pipeline schedule of "
+                              "PLAN; print it as a timeline and write a picture.")
+    p.add_argument("targets", nargs="+", metavar="[MODEL] PLAN",
+                   help="an optional model file (.py), then a plan file or stdlib plan name")
+    add_plan_options(p)
+    p.add_argument("-o", "--output", default=None, metavar="FILE",
+                   help="picture to write: .svg, or .png with rsvg-convert (default PLAN.svg)")
+    p.add_argument("--no-picture", action="store_true", help="print only; write no file")
+    p.add_argument("--forward", type=float, default=1.0, help="cost of a forward unit")
+    p.add_argument("--backward", type=float, default=None,
+                   help="cost of a backward unit (default twice --forward)")
+    p.add_argument("--latency", type=float, default=0.0, help="time a message takes")
+    p.add_argument("--blocking-sends", action="store_true",
+                   help="check deadlocks with blocking sends (default: asynchronous, as the "
+                        "runtime issues them)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=run)
+
+
+def _write_picture(svg: str, out: Path) -> None:
+    if out.suffix == ".svg":
+        out.write_text(svg)
+        return
+    if out.suffix != ".png":
+        raise UsageError(f"-o {out}: the picture must end in .svg or .png")
+    tool = shutil.which("rsvg-convert")
+    if tool is None:
+        raise UsageError("writing PNG needs rsvg-convert (librsvg); write .svg instead")
+    subprocess.run([tool, "-o", str(out)], input=svg.encode(), check=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    targets = args.targets
+    if len(targets) > 2 or (len(targets) == 2 and not targets[0].endswith(".py")):
+        raise UsageError("show takes [MODEL] PLAN, the model file ending in .py")
+    plan = elaborate_from_args(targets[-1], args)
+    lowered = lower_schedule(plan.directives)
+    if lowered is None:
+        raise UsageError(f"plan '{plan.name}' has no 'stages' statement: there is no pipeline "
+                         "schedule to show")
+    comm = CommModel.RENDEZVOUS if args.blocking_sends else CommModel.ASYNC
+    check_schedule(lowered.schedule, comm=comm)
+    costs = Costs(forward=args.forward, backward=args.backward, latency=args.latency)
+    result = simulate(lowered.schedule, costs)
+    s = lowered.schedule
+    title = f"{plan.name}: {s.stages.num_stages} stages on {s.num_devices} ranks, " \
+            f"{s.microbatches} micro-batches"
+    if args.json:
+        json.dump({"plan": plan.name, "ranks": [list(g) for g in lowered.groups],
+                   "makespan": result.makespan, "bubble_ratio": result.bubble_ratio,
+                   "bubble_overhead": result.bubble_overhead,
+                   "peak_activations": list(result.peak_activations),
+                   "programs": [str(p) for p in s.programs]}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        console = Console(highlight=False, soft_wrap=True)
+        console.print(title, style="bold")
+        console.print(timeline_text(result))
+    if not args.no_picture:
+        out = Path(args.output or f"{plan.name}.svg")
+        _write_picture(timeline_svg(result, title=title), out)
+        if not args.json:
+            print(f"wrote {out}")
+    return 0
