@@ -1,0 +1,57 @@
+"""``ssdsl trace MODEL``: the operator table of a model file's training forward."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ssdsl.trace import trace
+from ssdsl.trace.model_file import load_model_file
+from ssdsl.trace.table import op_rows, shape_text, splittable_text
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("trace", help="trace a model file and print its operator table",
+                              description="Trace MODEL's forward and loss with torch.export (on "
+                              "the meta device: nothing is allocated) and list its operators.")
+    p.add_argument("model", help="model file (see docs/model_file.md)")
+    p.add_argument("--json", action="store_true", help='print {"ops": [...]} instead of a table')
+    p.add_argument("--device", default="meta", choices=("meta", "cpu"),
+                   help="device to build the model on (default: meta)")
+    p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the "
+                   "model file's BATCH_SIZE)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    graph = trace(load_model_file(args.model), device=args.device, batch_size=args.batch_size)
+    rows = op_rows(graph)
+    if args.json:
+        params = [{"name": q, "shape": list(graph.tensors[t].shape)}
+                  for t, q in graph.params.items()]
+        json.dump({"ops": rows, "params": params, "inputs": list(graph.inputs),
+                   "output": graph.output}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    _print_table(rows, args.model, len(graph.params))
+    return 0
+
+
+def _print_table(rows: list[dict], model: str, n_params: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{model}: {len(rows)} operators, {n_params} parameters",
+                  title_justify="left")
+    for col in ("name", "kind", "module", "shape", "splittable dims"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        dims = splittable_text(row)
+        style = "yellow" if not row["annotated"] else None
+        table.add_row(row["name"], row["kind"], row["module"] or "-", shape_text(row), dims,
+                      style=style)
+    Console(width=max(120, Console().width)).print(table)
+    unannotated = sum(not r["annotated"] for r in rows)
+    if unannotated:
+        print(f"{unannotated} operator(s) can only be replicated (reasons above).")
