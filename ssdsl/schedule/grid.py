@@ -36,7 +36,7 @@ def program_grid(schedule: Schedule, marks: Mapping[tuple[int, int], str] | None
 
     >>> from ssdsl.schedule.builders import one_f_one_b
     >>> print(program_grid(one_f_one_b(2, 2)))
-    step    0    1    2    3
+    step     0    1    2    3
     dev 0  0F0  0F1  0B0  0B1
     dev 1  1F0  1B0  1F1  1B1
     """
