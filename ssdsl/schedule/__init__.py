@@ -4,5 +4,9 @@
 - ``deps``: data dependencies between units from the stage DAG, cross-device ``Message``s;
 - ``builders``: GPipe, 1F1B, interleaved 1F1B built in Python (oracles, defaults);
 - ``simulate``: event simulation: timelines, bubble ratio, peak live activations;
-- ``grid`` and ``picture``: text grids and SVG timelines.
+- ``grid`` and ``picture``: text grids and SVG timelines;
+- ``stages``: balanced contiguous stages from operator costs;
+- ``lower``: elaborated microbatch/stages/assign/order directives to a ``Schedule``.
+
+Checking a schedule (missing units, order against data, deadlock) is phase 6: ``ssdsl.check``.
 """
