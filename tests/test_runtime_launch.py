@@ -7,6 +7,7 @@ read from /proc, not from the launcher's own bookkeeping.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -245,3 +246,27 @@ def test_rank_env_checks_the_variables():
         RankEnv.from_environ({"RANK": "x", "WORLD_SIZE": "2"})
     with pytest.raises(DistEnvError, match="inconsistent"):
         RankEnv.from_environ({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+_TORCHRUN_SCRIPT = textwrap.dedent("""
+    import os, pickle, sys
+    sys.path[:0] = {paths!r}
+    from ssdsl.runtime.launch import resolve_worker, under_torchrun
+    assert under_torchrun()
+    result = resolve_worker("test_runtime_launch:sum_worker")(3.0, offset=1)
+    with open(os.path.join({out!r}, os.environ["RANK"] + ".pkl"), "wb") as f:
+        pickle.dump(result, f)
+""")
+
+
+def test_the_same_worker_runs_under_torchrun(tmp_path):
+    """torchrun sets the variables and hosts the store; ranks run the worker in-process."""
+    script = tmp_path / "rank.py"
+    script.write_text(_TORCHRUN_SCRIPT.format(paths=[str(Path(__file__).parent), *sys.path],
+                                              out=str(tmp_path)))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in range(2)]
+    assert results == [(r, 2, 3 * 3.0, [1, 2]) for r in range(2)]

@@ -134,6 +134,9 @@ def test_float64_sgd_check_catches_a_scaled_gradient(mf, model_path, scale):
     # Step 0's gradients are taken at equal parameters: the error is the factor, to rounding.
     assert grad.error == pytest.approx(abs(scale - 1), rel=1e-6)
     assert "MISMATCH" in verdict.summary() and "FAIL" in verdict.summary()
+    table = verdict.per_step().splitlines()
+    assert len(table) == 4 and "over tolerance" not in table[1] and "over tolerance" in table[3]
+    assert f"{ref.losses[2]:.8g}" in table[3] and f"{wrong.losses[2]:.8g}" in table[3]
 
 
 def test_tolerances_separate_float32_rounding_from_float64(mf):

@@ -127,6 +127,8 @@ class Verdict:
     loss_errors: tuple[float, ...]
     worst: tuple[Mismatch, ...]
     problems: tuple[str, ...] = ()
+    expected_losses: tuple[float, ...] = ()
+    actual_losses: tuple[float, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -142,8 +144,19 @@ class Verdict:
         lines += [f"  FAIL {p}" for p in self.problems]
         return "\n".join(lines)
 
+    def per_step(self) -> str:
+        """One line per step: reference loss, this run's loss, relative error, and a mark."""
+        lines = [f"{'step':>5} {'reference':>14} {'this run':>14} {'rel. error':>10}"]
+        for step, (e, a, err) in enumerate(zip(self.expected_losses, self.actual_losses,
+                                               self.loss_errors)):
+            mark = "" if err <= self.tolerance.loss else "  <- over tolerance"
+            lines.append(f"{step:>5} {e:>14.8g} {a:>14.8g} {err:>10.2e}{mark}")
+        return "\n".join(lines)
+
     def as_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "tolerance": attrs.asdict(self.tolerance),
+                "expected_losses": list(self.expected_losses),
+                "actual_losses": list(self.actual_losses),
                 "loss_errors": list(self.loss_errors),
                 "worst": [dict(attrs.asdict(m), ok=m.ok) for m in self.worst],
                 "problems": list(self.problems)}
@@ -176,7 +189,8 @@ def compare_runs(expected: RunRecord, actual: RunRecord, *,
                              problems, f"gradients of step {step}", where_suffix=f" step {step}")
         worst += [grad] if grad else []
     return Verdict(tolerance=tolerance, loss_errors=loss_errors, worst=tuple(worst),
-                   problems=tuple(problems))
+                   problems=tuple(problems), expected_losses=tuple(expected.losses),
+                   actual_losses=tuple(actual.losses))
 
 
 def _sortable(error: float) -> float:
