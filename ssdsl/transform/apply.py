@@ -1,0 +1,205 @@
+"""Applying partition, replicate and assign directives to a graph, in plan order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from ssdsl.elaborate.directives import Assign, Partition, Replicate, StageRef
+from ssdsl.errors import ErrorCollector, SsdslError
+from ssdsl.ir.graph import Graph
+from ssdsl.ops import Annotation, NotAnnotated, NotAnnotatedError, annotate, call_of, require
+from ssdsl.source import Span
+from ssdsl.transform.errors import (
+    BadDevice, EmptySelection, MissingDim, PartCountMismatch, UnplacedPart,
+)
+from ssdsl.transform.parts import Part, Transformed, row_major, split_ranges, whole_part
+from ssdsl.transform.select import part_prefix, select_ops
+
+# Dim words a plan may use for an operator's own dims, beside flowing names and raw labels:
+# ``in``/``out`` are a linear's input and output features (Megatron's row/column split).
+DIM_WORDS = {"linear": {"in": "k", "out": "n"}, "addmm": {"in": "k", "out": "n"}}
+
+
+class _Builder:
+    """The mutable part table, alive only while one plan is applied."""
+
+    def __init__(self, graph: Graph, world: int) -> None:
+        self.graph = graph
+        self.world = world
+        self.anns = {op.name: annotate(graph, op) for op in graph.ops}
+        self.parts: dict[str, list[Part]] = {
+            op.name: [Part(op.name, (), (), (), whole_part(graph, op, self.anns[op.name]))]
+            for op in graph.ops}
+        self.notes: list[str] = []
+
+    # ------------------------------------------------------------------ partition
+    def partition(self, d: Partition) -> None:
+        prefix, base = part_prefix(d.selector)
+        names = select_ops(self.graph, base, d.span)
+        labels = {n: self._label(n, d.dim) for n in names}
+        if not any(labels.values()):
+            raise MissingDim(self._missing_message(names, d.dim), d.span,
+                             hint="`ssdsl trace MODEL` shows each operator's dims")
+        lacking = [n for n in names if labels[n] is None]
+        if lacking and len(names) == 1:
+            raise MissingDim(self._missing_message(lacking, d.dim), d.span)
+        for name in names:
+            if labels[name] is None:
+                self._replicate_op(name, prefix, d.parts, d.span)
+            else:
+                self._split_op(name, prefix, labels[name], d.parts, d.span)
+        if lacking:
+            self.notes.append(f"{d.span}: {len(lacking)} operator(s) without dim '{d.dim}' "
+                              f"replicated into {d.parts} (e.g. '{lacking[0]}')")
+
+    def _label(self, name: str, dim: str) -> str | None:
+        ann = self.anns[name]
+        if isinstance(ann, NotAnnotated):
+            return None
+        labels = ann.labels()
+        op = self.graph.op(name)
+        dim = DIM_WORDS.get(op.kind, {}).get(dim, dim)
+        for cand in (dim, ann.label_for(dim), f"{dim}.0"):
+            if cand and cand in labels:
+                return cand
+        return None
+
+    def _missing_message(self, names: Sequence[str], dim: str) -> str:
+        op = self.graph.op(names[0])
+        ann = self.anns[names[0]]
+        if isinstance(ann, NotAnnotated):
+            try:
+                require(ann, op)
+            except NotAnnotatedError as err:
+                return err.message
+        has = ", ".join(ann.labels()) if isinstance(ann, Annotation) else "none"
+        many = f" (nor do {len(names) - 1} other selected operators)" if len(names) > 1 else ""
+        return (f"operator '{op.name}' ({op.kind}, in '{op.module or '<top>'}') has no dim "
+                f"'{dim}'{many}; its dims: {has}")
+
+    def _split_op(self, name: str, prefix: tuple[int, ...], label: str, n: int,
+                  span: Span) -> None:
+        ann = self.anns[name]
+        assert isinstance(ann, Annotation)
+        size = ann.sizes()[label]
+        call = call_of(self.graph, self.graph.op(name))
+        out: list[Part] = []
+        for part in self.parts[name]:
+            if part.index[:len(prefix)] != prefix:
+                out.append(part)
+                continue
+            pieces = split_ranges(dict(part.ranges), label, size, n)
+            if pieces is None:
+                start, stop = dict(part.ranges).get(label, (0, size))
+                raise _indivisible(self.graph.op(name), label, stop - start, n, span)
+            for k, ranges in enumerate(pieces):
+                try:
+                    sub = ann.partition(call, ranges)
+                except SsdslError as err:
+                    raise _at(err, span) from None
+                out.append(Part(name, part.index + (k,), part.replica + (False,),
+                                tuple(sorted(ranges.items())), sub, span=span))
+        self.parts[name] = out
+
+    # ------------------------------------------------------------------ replicate
+    def replicate(self, d: Replicate) -> None:
+        prefix, base = part_prefix(d.selector)
+        for name in select_ops(self.graph, base, d.span):
+            self._replicate_op(name, prefix, d.copies, d.span)
+
+    def _replicate_op(self, name: str, prefix: tuple[int, ...], n: int, span: Span) -> None:
+        out: list[Part] = []
+        for part in self.parts[name]:
+            if part.index[:len(prefix)] != prefix:
+                out.append(part)
+                continue
+            out.extend(attrs.evolve(part, index=part.index + (k,), replica=part.replica + (True,),
+                                    span=span) for k in range(n))
+        self.parts[name] = out
+
+    # ------------------------------------------------------------------ assign
+    def assign(self, d: Assign) -> None:
+        for dev in d.devices:
+            if not 0 <= dev < self.world:
+                raise BadDevice(f"device {dev} is outside the {self.world} devices of this run "
+                                f"(0..{self.world - 1})", d.span,
+                                hint="run with more processes (--nproc) or change the plan")
+        prefix, base = part_prefix(d.selector)
+        names = select_ops(self.graph, base, d.span)
+        placed = 0
+        for name in names:
+            chosen = [p for p in self.parts[name] if p.index[:len(prefix)] == prefix]
+            if len(d.devices) > 1 and chosen and len(chosen) != len(d.devices):
+                raise PartCountMismatch(
+                    f"operator '{name}' has {len(chosen)} parts, which cannot be spread one per "
+                    f"device over {len(d.devices)} devices", d.span,
+                    hint="partition or replicate it into as many parts as devices")
+            devices = {p.index: dev for p, dev in zip(row_major(chosen), d.devices)} \
+                if len(d.devices) > 1 else {p.index: d.devices[0] for p in chosen}
+            self.parts[name] = [attrs.evolve(p, device=devices[p.index], assigned_at=d.span)
+                                if p.index in devices else p for p in self.parts[name]]
+            placed += len(chosen)
+        if not placed:
+            raise EmptySelection(f"'{d.selector}' selects operators but none of their parts has "
+                                 f"index {prefix}", d.span)
+
+    # ------------------------------------------------------------------ result
+    def result(self, deferred: tuple) -> Transformed:
+        return Transformed(self.graph, {k: tuple(row_major(v)) for k, v in self.parts.items()},
+                           self.anns, self.world, deferred, tuple(self.notes))
+
+
+def _indivisible(op, label: str, size: int, n: int, span: Span) -> SsdslError:
+    from ssdsl.ops import IndivisibleError
+    return IndivisibleError(f"dim '{label}' of operator '{op.name}' ({op.kind}) has size {size} "
+                            f"here, which does not divide into {n} parts", span,
+                            hint="choose a number of parts that divides the size")
+
+
+def _at(err: SsdslError, span: Span) -> SsdslError:
+    """``err`` located at the plan statement, when the rule that raised it had no position."""
+    if err.span is None:
+        err.span = span
+        err.file = span.file
+    return err
+
+
+def apply_directives(graph: Graph, directives: Sequence, *, world: int,
+                     require_placement: bool = True) -> Transformed:
+    """Apply the spatial directives of a plan to ``graph``; the others are passed on.
+
+    Independent faults are reported together; an assign by stage is left for the schedule phase.
+    """
+    b = _Builder(graph, world)
+    errors = ErrorCollector()
+    deferred = []
+    for d in directives:
+        if isinstance(d, Assign) and isinstance(part_prefix(d.selector)[1], StageRef):
+            deferred.append(d)
+            continue
+        handler = {Partition: b.partition, Replicate: b.replicate, Assign: b.assign}.get(type(d))
+        if handler is None:
+            deferred.append(d)
+            continue
+        with errors.catch():
+            handler(d)
+    errors.raise_if_any()
+    result = b.result(tuple(deferred))
+    if require_placement and not any(isinstance(d, Assign) for d in deferred):
+        _check_placed(result)
+    return result
+
+
+def _check_placed(t: Transformed) -> None:
+    missing = [p for ps in t.parts.values() for p in ps if p.device is None]
+    if not missing:
+        return
+    ops = list(dict.fromkeys(p.op for p in missing))
+    first = missing[0]
+    where = f" (made at {first.span})" if first.span else ""
+    raise UnplacedPart(f"{len(missing)} part(s) of {len(ops)} operator(s) have no device, e.g. "
+                       f"part {first.index} of '{first.op}'{where}", first.span,
+                       hint="add an assign statement for them, e.g. `assign each part i to "
+                       "device i`")

@@ -1,0 +1,33 @@
+"""Errors of the transform phase: each points at the plan statement that caused it."""
+
+from __future__ import annotations
+
+from ssdsl.errors import SsdslError
+
+
+class TransformError(SsdslError):
+    """Root of the errors raised while applying a plan to a traced graph."""
+
+
+class EmptySelection(TransformError):
+    """A selector matched no operator of the graph."""
+
+
+class MissingDim(TransformError):
+    """No selected operator has the dimension a partition asks for."""
+
+
+class PartCountMismatch(TransformError):
+    """An assign spreads parts over a number of devices that differs from the number of parts."""
+
+
+class UnplacedPart(TransformError):
+    """A part of an operator was never assigned to a device."""
+
+
+class BadDevice(TransformError):
+    """A device id outside ``0..world``."""
+
+
+class UnsupportedSelector(TransformError):
+    """A selector form the transform phase cannot resolve here (stages before they exist)."""

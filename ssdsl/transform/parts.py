@@ -1,0 +1,142 @@
+"""Parts: the sub-operators that partition and replicate make, and where assign puts them.
+
+Every operator starts as one part with index ``()``. ``partition X along D into N`` replaces each
+part of each selected operator by N parts, appending ``0..N-1`` to the part index and narrowing
+the range of D's label; ``replicate X into N`` appends ``0..N-1`` without narrowing anything (the
+entry is marked as a replica, which matters for gradients: replicas compute the same values, so
+their gradients are copies, while parts that read the same input region along a split of another
+dim contribute partial gradients that must be summed). ``assign`` sets each part's device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from ssdsl.ir.graph import Graph, Op, map_tensor_refs
+from ssdsl.ops import Annotation, LocalCall, NotAnnotated, Slot, SubOp
+
+Interval = tuple[int, int]
+Regions = tuple[tuple[Interval, ...], ...]
+
+
+@attrs.frozen
+class Part:
+    """One sub-operator: which slice of its operator it computes, and on which device.
+
+    ``index`` has one entry per partition/replicate applied to the operator, in plan order;
+    ``replica[i]`` tells whether entry i came from ``replicate``. ``ranges`` are the annotation
+    label ranges this part covers (empty: the whole operator). ``sub`` gives the regions of the
+    operator's inputs and outputs this part reads and writes, and the local ATen call.
+    """
+
+    op: str
+    index: tuple[int, ...]
+    replica: tuple[bool, ...]
+    ranges: tuple[tuple[str, Interval], ...]
+    sub: SubOp
+    device: int | None = None
+    span: Any = None          # Span of the last partition/replicate that shaped this part
+    assigned_at: Any = None   # Span of the assign that placed it
+
+    @property
+    def partition_index(self) -> tuple[int, ...]:
+        """The index entries that came from partition (replica entries dropped)."""
+        return tuple(i for i, r in zip(self.index, self.replica) if not r)
+
+    @property
+    def replica_index(self) -> tuple[int, ...]:
+        """The index entries that came from replicate."""
+        return tuple(i for i, r in zip(self.index, self.replica) if r)
+
+    def value_part(self, sizes: Mapping[str, int]) -> tuple[int, int]:
+        """``(k, V)``: the outputs hold the k-th of V partial sums (``(0, 1)``: full values)."""
+        k, v = 0, 1
+        for label, (start, stop) in self.sub.value:
+            n = sizes[label] // (stop - start)
+            k, v = k * n + start // (stop - start), v * n
+        return k, v
+
+
+@attrs.frozen
+class Transformed:
+    """A graph with its operators split into parts, each placed on a device.
+
+    ``parts[op]`` lists the parts of each operator in row-major order of their index;
+    ``deferred`` holds the directives for the later phases (microbatch, stages, order, ...).
+    """
+
+    graph: Graph
+    parts: Mapping[str, tuple[Part, ...]] = attrs.field(converter=MappingProxyType)
+    annotations: Mapping[str, Annotation | NotAnnotated] = attrs.field(
+        converter=MappingProxyType, eq=False)
+    world: int
+    deferred: tuple[Any, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def label_sizes(self, op: str) -> dict[str, int]:
+        ann = self.annotations[op]
+        return ann.sizes() if isinstance(ann, Annotation) else {}
+
+    def devices(self) -> list[int]:
+        """The devices that hold at least one part."""
+        return sorted({p.device for ps in self.parts.values() for p in ps if p.device is not None})
+
+    def parts_on(self, device: int) -> list[Part]:
+        """The parts placed on ``device``, in graph order."""
+        return [p for op in self.graph.ops for p in self.parts[op.name] if p.device == device]
+
+    def grad_value_part(self, part: Part, input_index: int) -> tuple[int, int]:
+        """``(k, V)`` of the gradient ``part`` computes for its ``input_index``-th input.
+
+        Parts of one operator that read the same region of an input and differ in a partition
+        entry (not only in replica entries) each compute a partial gradient of that region: the
+        column-parallel linear's input, a data-parallel weight. Replicas compute copies.
+        """
+        region = part.sub.inputs[input_index]
+        siblings = sorted({p.partition_index for p in self.parts[part.op]
+                           if p.sub.inputs[input_index] == region
+                           and p.replica_index == part.replica_index})
+        return siblings.index(part.partition_index), len(siblings)
+
+
+def whole_part(graph: Graph, op: Op, ann: Annotation | NotAnnotated) -> SubOp:
+    """The single part of an unsplit operator: full regions, the original call."""
+    if isinstance(ann, Annotation):
+        call = _call(graph, op)
+        return ann.partition(call, {})
+    counter = iter(range(len(op.inputs)))
+    to_slot = lambda ref: Slot(next(counter))  # noqa: E731
+    args = map_tensor_refs(op.args, to_slot)
+    kwargs = tuple((k, map_tensor_refs(v, to_slot)) for k, v in op.kwargs)
+    full = lambda name: tuple(((0, s),) for s in graph.tensors[name].shape)  # noqa: E731
+    return SubOp(inputs=tuple(full(t) for t in op.inputs),
+                 outputs=tuple(full(t) for t in op.outputs), value=(),
+                 local=LocalCall(op.target, args, kwargs))
+
+
+def _call(graph: Graph, op: Op):
+    from ssdsl.ops import call_of
+    return call_of(graph, op)
+
+
+def split_ranges(ranges: Mapping[str, Interval], label: str, size: int, parts: int
+                 ) -> list[dict[str, Interval]] | None:
+    """The label ranges of ``parts`` equal parts of ``label``'s current range (None: indivisible)."""
+    start, stop = ranges.get(label, (0, size))
+    if (stop - start) % parts:
+        return None
+    step = (stop - start) // parts
+    return [{**ranges, label: (start + k * step, start + (k + 1) * step)} for k in range(parts)]
+
+
+def row_major(parts: list[Part]) -> list[Part]:
+    return sorted(parts, key=lambda p: p.index)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
