@@ -165,7 +165,7 @@ def _friendly(exc: UnexpectedInput, file: str, source: str) -> SsdslError:
 
 
 def _keyword_typo(tok: Token, expected: set[str]) -> str | None:
-    if tok.type != "NAME":
+    if tok.type != "NAME" or str(tok) in KEYWORDS:  # a keyword out of place is no typo
         return None
     keywords = [w.strip("'") for e in expected if (w := _terminal_words().get(e, "")).startswith("'")]
     keywords = [k for k in keywords if k.isidentifier()] or list(KEYWORDS)

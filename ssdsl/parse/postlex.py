@@ -35,7 +35,9 @@ class Comment:
 class Postlexer:
     """Lark postlexer; ``begin(file)`` resets it before each parse (the caller holds a lock)."""
 
-    always_accept = ("_NL",)
+    # NAME everywhere: a misspelled keyword ("intoo") is then one NAME token, reported with a
+    # suggestion, instead of the keyword "into" followed by a stray "o".
+    always_accept = ("_NL", "NAME")
 
     def __init__(self) -> None:
         self.file = "<plan>"
@@ -51,6 +53,9 @@ class Postlexer:
         for tok in stream:
             if tok.type == "_NL":
                 self._record_comments(tok)
+                # A rule that ends with a newline (the header) should end where its line does,
+                # not after the blank and comment lines the newline token swallowed.
+                tok.end_line, tok.end_column, tok.end_pos = tok.line, tok.column, tok.start_pos
                 if depth > 0:
                     continue
                 yield tok
