@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ssdsl.errors import SsdslError
-from ssdsl.runtime.dist import DistEnvError, RankEnv, all_gather_objects, distributed
+from ssdsl.runtime.dist import (DistEnvError, RankEnv, all_gather_objects, default_timeout_s,
+                                distributed)
 from ssdsl.runtime.launch import (JobTimeout, LaunchError, RankFailed, WorkerNotFound, launch,
                                   report_event, under_torchrun)
 
@@ -68,6 +69,10 @@ def failing_worker(pid_dir: str, how: str) -> None:
 def sleeping_worker(pid_dir: str) -> None:
     _note_pid(pid_dir)
     time.sleep(3600)
+
+
+def timeout_worker() -> tuple[int, float]:
+    return int(os.environ["RANK"]), default_timeout_s()
 
 
 def unpicklable_worker() -> object:
@@ -127,6 +132,10 @@ def test_results_come_back_in_rank_order_with_events():
 def test_worker_by_module_function_name():
     results = launch(f"{__name__}:sum_worker", nproc=2, args=(1.0,))
     assert [r[:3] for r in results] == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_launcher_sets_the_ranks_collective_timeout():
+    assert launch(timeout_worker, nproc=2, dist_timeout_s=7.5) == [(0, 7.5), (1, 7.5)]
 
 
 def test_rank_that_raises_is_named_and_job_ends(tmp_path):

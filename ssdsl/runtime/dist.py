@@ -32,6 +32,8 @@ from ssdsl.errors import SsdslError
 # Long enough for a slow first step (allocation, lazy init) on a loaded CI machine, short enough
 # that a dead peer is reported within a minute rather than gloo's default half hour.
 DEFAULT_TIMEOUT_S = 60.0
+# The launcher passes its ``dist_timeout_s`` to the ranks through this variable.
+TIMEOUT_VAR = "SSDSL_DIST_TIMEOUT_S"
 
 
 class DistEnvError(SsdslError):
@@ -96,18 +98,31 @@ def pick_backend() -> str:
 def pick_device(local_rank: int, backend: str) -> torch.device:
     """One GPU per local rank under nccl; the CPU under gloo."""
     if backend == "nccl":
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise DistEnvError(f"local rank {local_rank} has no GPU: this machine has {count}",
+                               hint="start at most one rank per GPU on each machine")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
-def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None
-                  ) -> DistContext:
+def default_timeout_s() -> float:
+    """``$SSDSL_DIST_TIMEOUT_S`` when the launcher set it, else ``DEFAULT_TIMEOUT_S``."""
+    value = os.environ.get(TIMEOUT_VAR)
+    try:
+        return float(value) if value else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise DistEnvError(f"{TIMEOUT_VAR}={value!r} is not a number of seconds") from None
+
+
+def init_from_env(*, timeout_s: float | None = None, backend: str | None = None) -> DistContext:
     """Join the job described by the environment (env:// rendezvous) and return this rank's context.
 
-    ``timeout_s`` bounds the rendezvous and every later collective: a peer that never arrives or
-    stops answering makes this rank raise instead of wait.
+    ``timeout_s`` (default: ``default_timeout_s()``) bounds the rendezvous and every later
+    collective: a peer that never arrives or stops answering makes this rank raise instead of wait.
     """
+    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     where = RankEnv.from_environ()
     backend = backend or pick_backend()
     device = pick_device(where.local_rank, backend)
@@ -129,7 +144,7 @@ def teardown() -> None:
 
 
 @contextmanager
-def distributed(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None
+def distributed(*, timeout_s: float | None = None, backend: str | None = None
                 ) -> Iterator[DistContext]:
     """``init_from_env`` on entry, ``teardown`` on exit, also when the body raises."""
     ctx = init_from_env(timeout_s=timeout_s, backend=backend)

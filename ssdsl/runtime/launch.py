@@ -44,6 +44,7 @@ from typing import Any
 import attrs
 
 from ssdsl.errors import SsdslError
+from ssdsl.runtime.dist import TIMEOUT_VAR
 
 Worker = str | Callable[..., Any]
 EventHandler = Callable[[int, Any], None]
@@ -182,11 +183,13 @@ def report_event(obj: Any) -> None:
 def launch(worker: Worker, *, nproc: int, args: Sequence[Any] = (),
            kwargs: Mapping[str, Any] | None = None, timeout_s: float | None = None,
            grace_s: float = 3.0, on_event: EventHandler | None = None,
-           env: Mapping[str, str] | None = None) -> list[Any]:
+           env: Mapping[str, str] | None = None,
+           dist_timeout_s: float | None = None) -> list[Any]:
     """Run ``worker(*args, **kwargs)`` on ``nproc`` local ranks; their return values in rank order.
 
     ``worker`` is ``"module:function"`` or a picklable callable (a module-level function); args,
     kwargs and the return value must pickle. ``env`` adds variables to the ranks' environment.
+    ``dist_timeout_s`` becomes the ranks' default collective timeout (``ssdsl.runtime.dist``).
     Raises ``RankFailed`` when a rank fails and ``JobTimeout`` after ``timeout_s`` seconds.
 
     Example::
@@ -205,8 +208,11 @@ def launch(worker: Worker, *, nproc: int, args: Sequence[Any] = (),
         job = _Job(Path(tmp), nproc=nproc, grace_s=grace_s, on_event=on_event)
         (job.dir / "payload.pkl").write_bytes(payload)
         store = _host_store()
+        extra = dict(env or {})
+        if dist_timeout_s is not None:
+            extra[TIMEOUT_VAR] = str(dist_timeout_s)
         try:
-            job.start(_rank_env(env, nproc=nproc, port=store.port, launch_dir=job.dir))
+            job.start(_rank_env(extra, nproc=nproc, port=store.port, launch_dir=job.dir))
             return job.wait(timeout_s)
         finally:
             job.kill_all()
@@ -252,7 +258,9 @@ class _Job:
         code = "from ssdsl.runtime.launch import _rank_main; _rank_main()"
         for rank in range(self.nproc):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+            # A session of its own: Ctrl-C reaches only the launcher, which then ends the ranks.
             self.procs.append(subprocess.Popen([sys.executable, "-c", code], env=rank_env,
+                                               stdin=subprocess.DEVNULL,
                                                start_new_session=True))
 
     def wait(self, timeout_s: float | None) -> list[Any]:
