@@ -127,7 +127,7 @@ class Union:
     right: Selector
 
     def __str__(self) -> str:
-        return f"{_atom(self.left, Union)} | {_atom(self.right)}"
+        return f"{_atom(self.left, Union, Intersect)} | {_atom(self.right, Intersect)}"
 
     def to_json(self) -> dict[str, Any]:
         return {"type": "union", "left": self.left.to_json(), "right": self.right.to_json()}
@@ -151,7 +151,8 @@ class Except:
     right: Selector
 
     def __str__(self) -> str:
-        return f"{_atom(self.left, Union)} except {_atom(self.right, Union)}"
+        return (f"{_atom(self.left, Union, Intersect)} except "
+                f"{_atom(self.right, Union, Intersect)}")
 
     def to_json(self) -> dict[str, Any]:
         return {"type": "except", "left": self.left.to_json(), "right": self.right.to_json()}

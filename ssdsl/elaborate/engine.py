@@ -12,6 +12,7 @@ derived error.
 from __future__ import annotations
 
 import itertools
+import re
 import operator
 from collections.abc import Callable
 from pathlib import Path as FsPath
@@ -662,9 +663,12 @@ def _segments_of(value: Any, span: Span) -> list[D.Segment]:
     if isinstance(value, Range):
         return [_index_range(value.lo, value.hi, span)]
     if isinstance(value, str):
-        return [_text_segment(piece, span) for piece in value.split(".")]
+        return [_text_segment(piece, span) for piece in _SINGLE_DOT.split(value)]
     raise E.WrongType(f"a path segment is an int, a range or a str, got {type_name(value)} "
                       f"{show(value)}", span)
+
+
+_SINGLE_DOT = re.compile(r"(?<!\.)\.(?![.=])")
 
 
 def _text_segment(piece: str, span: Span) -> D.Segment:
@@ -674,8 +678,10 @@ def _text_segment(piece: str, span: Span) -> D.Segment:
         return int(piece)
     if ".." in piece:
         lo, _, hi = piece.partition("..")
+        inclusive = hi.startswith("=")
+        hi = hi[1:] if inclusive else hi
         if lo.isdigit() and hi.isdigit():
-            return _index_range(int(lo), int(hi), span)
+            return _index_range(int(lo), int(hi) + inclusive, span)
     if piece.isidentifier():
         return piece
     raise E.WrongValue(f"'{piece}' is not a module path segment", span,
