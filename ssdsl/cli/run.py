@@ -1,0 +1,109 @@
+"""``ssdsl run MODEL PLAN``: train with a plan on N local processes (or under torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from rich.console import Console
+
+from ssdsl.errors import UsageError
+from ssdsl.runtime.job import DTYPES, JobSpec, rank_main
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="train a model file with a plan on torch.distributed",
+                       description="Train MODEL with PLAN on --nproc local processes (gloo on "
+                       "CPU, nccl on GPUs), or in this process under torchrun.")
+    p.add_argument("model", help="the model file (.py)")
+    p.add_argument("plan", help="a .ssp file or a stdlib plan name")
+    p.add_argument("--nproc", type=int, default=None, help="local processes (default: 1)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a plan parameter")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--optimizer", choices=("model", "sgd", "adamw"), default="model")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--check", action="store_true",
+                   help="also train the single-device reference and compare")
+    p.add_argument("--json", action="store_true", help="print a machine-readable result")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is ended")
+    p.set_defaults(func=run)
+
+
+def _sets(items: list[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise UsageError(f"--set expects NAME=VALUE, got {item!r}")
+        out.append((name.strip(), value.strip()))
+    return tuple(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ssdsl.runtime.launch import launch, under_torchrun
+    from ssdsl.runtime.reference import compare_runs, run_reference, tolerance_for, RunRecord
+    from ssdsl.runtime.train import OptimizerSpec
+    from ssdsl.trace.model_file import load_model_file
+
+    for flag in ("steps", "batch_size", "nproc"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+    spec = JobSpec(args.model, args.plan, _sets(args.set), args.steps, args.batch_size,
+                   args.seed, args.dtype, args.optimizer, args.lr)
+    load_model_file(args.model)  # a bad model file fails here, once, with a clear message
+    if under_torchrun():
+        result = rank_main(spec)
+        if result is None:
+            return 0
+        nproc = len(result["ranks"])
+    else:
+        nproc = args.nproc or 1
+        result = launch(rank_main, nproc=nproc, args=(spec,), timeout_s=args.timeout)[0]
+    console = Console(file=sys.stdout, soft_wrap=True)
+    verdict = None
+    if args.check:
+        ref = run_reference(load_model_file(args.model), steps=args.steps,
+                            batch_size=args.batch_size, seed=args.seed,
+                            dtype=DTYPES[args.dtype],
+                            optimizer=OptimizerSpec(args.optimizer, args.lr))
+        mine = RunRecord(losses=tuple(result["losses"]), final_state=result["params"])
+        expected = RunRecord(losses=ref.losses,
+                             final_state={k: v for k, v in ref.final_state.items()
+                                          if k in result["params"]})
+        verdict = compare_runs(expected, mine, tolerance=tolerance_for(
+            DTYPES[args.dtype], reordered_sums=True))
+    if args.json:
+        import json
+        out = {"model": args.model, "plan": args.plan, "nproc": nproc, "steps": args.steps,
+               "losses": result["losses"], "accounting": result["accounting"],
+               "ranks": [r.__dict__ if hasattr(r, "__dict__") else _asdict(r)
+                         for r in result["ranks"]],
+               "check": verdict.as_dict() if verdict else None,
+               "ok": None if verdict is None else verdict.ok}
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        for i, loss in enumerate(result["losses"]):
+            console.print(f"step {i:>4}  loss {loss:.6f}")
+        acc = result["accounting"]
+        console.print(f"communication per step: {acc['total_bytes']:,} bytes "
+                      f"(forward {acc['forward']}, backward {acc['backward']}, "
+                      f"gradients {acc['gradients']})")
+        for r in result["ranks"]:
+            rr = _asdict(r)
+            console.print(f"rank {rr['rank']}: {rr['median_step_s'] * 1e3:.1f} ms/step, "
+                          f"{rr['samples_per_s']:.1f} samples/s, peak memory "
+                          f"{rr['peak_memory_bytes'] / 2**20:.0f} MiB")
+        if verdict is not None:
+            console.print(verdict.summary())
+    return 0 if verdict is None or verdict.ok else 1
+
+
+def _asdict(r) -> dict:
+    import attrs
+    return attrs.asdict(r) if attrs.has(type(r)) else dict(r)

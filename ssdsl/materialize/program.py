@@ -1,0 +1,160 @@
+"""From placed parts to communication: one adapter per data edge, and the weight reducers.
+
+For every operator input that another operator produces, the producers' parts and the consumer's
+parts give the adapter (``plan_adapter``): regions and value parts of the producers, regions the
+consumers read, and the gradient placements that say which consumers' input gradients are partial
+sums (``Transformed.grad_value_part``). Graph inputs, parameters, buffers and constants are
+*sources*: every rank has them (the batch from ``get_batch``, weights from the seeded model) and
+takes its regions locally, so they need no adapter. Parameter gradients are summed over the
+devices that hold the same region by the reducer; a part that is one of R replicas contributes
+1/R of its gradient, so that copies are not counted R times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+import torch
+
+from ssdsl.errors import SsdslError
+from ssdsl.ir.region import Region
+from ssdsl.materialize.plan import plan_adapter
+from ssdsl.materialize.reducer import GradReducer, Weight, plan_grad_reducer
+from ssdsl.materialize.steps import Adapter
+from ssdsl.transform.parts import Part, Transformed
+
+
+class UnsupportedPlacement(SsdslError):
+    """A placement this runtime does not execute yet (several parts of one operator on a device)."""
+
+
+@attrs.frozen
+class Edge:
+    """The adapter that feeds input ``slot`` of operator ``op`` with tensor ``tensor``."""
+
+    tensor: str
+    op: str
+    slot: int
+    adapter: Adapter
+
+
+@attrs.frozen
+class SourceUse:
+    """A part reads ``region`` of source tensor ``tensor``; its gradient counts ``scale`` times."""
+
+    tensor: str
+    region: Region
+    scale: float
+
+
+@attrs.frozen
+class Materialized:
+    """Everything the per-rank programs need besides the parts: edges, source uses, reducer."""
+
+    transformed: Transformed
+    edges: Mapping[tuple[str, str, int], Edge] = attrs.field(converter=MappingProxyType)
+    sources: Mapping[tuple[str, str, int, int], SourceUse] = attrs.field(
+        converter=MappingProxyType)
+    reducer: GradReducer
+    dtype: torch.dtype
+
+    def part_on(self, op: str, device: int) -> Part | None:
+        for p in self.transformed.parts[op]:
+            if p.device == device:
+                return p
+        return None
+
+    def accounting(self) -> dict[str, Any]:
+        """Collectives per step: ``{kind: {"count": n, "bytes": b}}``, forward, backward, reducer."""
+        table: dict[str, dict[str, dict[str, int]]] = {"forward": {}, "backward": {},
+                                                        "gradients": {}}
+        for e in self.edges.values():
+            _add(table["forward"], e.adapter.accounting())
+            if e.adapter.backward is not None:
+                _add(table["backward"], e.adapter.backward.accounting())
+        _add(table["gradients"], self.reducer.accounting())
+        total = sum(v["bytes"] for section in table.values() for v in section.values())
+        return {**table, "total_bytes": total}
+
+
+def _add(into: dict[str, dict[str, int]], acc: Mapping[str, tuple[int, int]]) -> None:
+    for kind, (count, nbytes) in acc.items():
+        slot = into.setdefault(kind, {"count": 0, "bytes": 0})
+        slot["count"] += count
+        slot["bytes"] += nbytes
+
+
+def source_names(t: Transformed) -> set[str]:
+    g = t.graph
+    return {*g.inputs, *g.params, *g.buffers, *g.constants}
+
+
+def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32) -> Materialized:
+    """Adapters for every produced tensor's uses, source uses, and the weight-gradient reducer."""
+    _check_one_part_per_device(t)
+    g = t.graph
+    sources = source_names(t)
+    producer = g.producer()
+    edges: dict[tuple[str, str, int], Edge] = {}
+    uses: dict[tuple[str, str, int, int], SourceUse] = {}
+    for op in g.ops:
+        for slot, name in enumerate(op.inputs):
+            readers = [p for p in t.parts[op.name] if p.sub.inputs[slot] is not None]
+            if name in sources:
+                for p in readers:
+                    uses[(name, op.name, slot, p.device)] = SourceUse(
+                        name, _region(t, name, p.sub.inputs[slot]), 1.0 / _replicas(t, p, slot))
+                continue
+            edges[(name, op.name, slot)] = Edge(name, op.name, slot,
+                                                _edge_adapter(t, producer[name], name, readers,
+                                                              slot, dtype))
+    weights = _weights(t, uses, dtype)
+    return Materialized(t, edges, uses, plan_grad_reducer(weights), dtype)
+
+
+def _region(t: Transformed, tensor: str, intervals, part: tuple[int, int] = (0, 1)) -> Region:
+    return Region(tuple(t.graph.tensors[tensor].shape), tuple(intervals), part=part)
+
+
+def _edge_adapter(t: Transformed, producer_op, tensor: str, readers: list[Part], slot: int,
+                  dtype: torch.dtype) -> Adapter:
+    j = producer_op.outputs.index(tensor)
+    sizes = t.label_sizes(producer_op.name)
+    producers = [(p.device, _region(t, tensor, p.sub.outputs[j], p.value_part(sizes)))
+                 for p in t.parts[producer_op.name]]
+    consumers = [(c.device, _region(t, tensor, c.sub.inputs[slot])) for c in readers]
+    grads = [(c.device, _region(t, tensor, c.sub.inputs[slot], t.grad_value_part(c, slot)))
+             for c in readers]
+    shape = t.graph.tensors[tensor].shape
+    return plan_adapter(shape, dtype, producers, consumers, grad_consumers=grads)
+
+
+def _replicas(t: Transformed, part: Part, slot: int) -> int:
+    """How many replicas of ``part`` read the same region of input ``slot``."""
+    region = part.sub.inputs[slot]
+    return sum(1 for p in t.parts[part.op]
+               if p.partition_index == part.partition_index and p.sub.inputs[slot] == region)
+
+
+def _weights(t: Transformed, uses: Mapping, dtype: torch.dtype) -> list[Weight]:
+    by_param: dict[str, set[tuple[int, Region]]] = {}
+    for (name, _op, _slot, device), use in uses.items():
+        if name in t.graph.params:
+            by_param.setdefault(name, set()).add((device, use.region))
+    return [Weight(name, tuple(t.graph.tensors[name].shape), dtype,
+                   tuple(sorted(pl, key=lambda x: (x[0], str(x[1])))))
+            for name, pl in by_param.items()]
+
+
+def _check_one_part_per_device(t: Transformed) -> None:
+    for op, parts in t.parts.items():
+        devices = [p.device for p in parts]
+        if len(devices) != len(set(devices)):
+            first = next(p for p in parts if devices.count(p.device) > 1)
+            raise UnsupportedPlacement(
+                f"operator '{op}' has several parts on device {first.device}; the runtime runs "
+                "one part of an operator per device", first.assigned_at,
+                hint="spread the parts over as many devices as there are parts")

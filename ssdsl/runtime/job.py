@@ -1,0 +1,77 @@
+"""One training job on every rank: plan, materialize, train, and gather the results.
+
+``rank_main(spec)`` is what each process runs (under ``ssdsl run --nproc N`` or under torchrun):
+it traces the model file, elaborates and applies the plan, builds this rank's program, trains
+``spec.steps`` steps, and returns (on rank 0) the losses and the gathered final parameters.
+Every rank derives the same plan from the same inputs, so nothing but tensors crosses processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from ssdsl.elaborate import elaborate_file
+from ssdsl.materialize.program import Materialized, materialize
+from ssdsl.runtime import dist as sdist
+from ssdsl.runtime.executor import RankProgram, assemble, create_groups
+from ssdsl.runtime.launch import report_event
+from ssdsl.runtime.train import MetricsCollector, OptimizerSpec
+from ssdsl.trace.export import trace
+from ssdsl.trace.model_file import load_model_file
+from ssdsl.transform import transform
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@attrs.frozen
+class JobSpec:
+    """Everything a rank needs to rebuild the job by itself (picklable)."""
+
+    model: str
+    plan: str
+    sets: tuple[tuple[str, str], ...] = ()
+    steps: int = 5
+    batch_size: int | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    optimizer: str = "model"
+    lr: float | None = None
+
+
+def plan_job(spec: JobSpec, world: int) -> tuple[Any, Materialized, torch.nn.Module]:
+    """Model file, materialized plan and the seeded full model (CPU), as every rank builds them."""
+    mf = load_model_file(spec.model)
+    dtype = DTYPES[spec.dtype]
+    model = mf.build(seed=spec.seed).to(dtype=dtype)
+    graph = trace(mf, device="cpu", batch_size=spec.batch_size, model=model)
+    plan = elaborate_file(spec.plan, world=world, sets=dict(spec.sets))
+    return mf, materialize(transform(graph, plan), dtype=dtype), model
+
+
+def rank_main(spec: JobSpec) -> dict[str, Any] | None:
+    """Train on this rank; rank 0 returns losses, final parameters and per-rank metrics."""
+    with sdist.distributed() as ctx:
+        mf, m, model = plan_job(spec, ctx.world_size)
+        groups = create_groups(m)
+        dtype = DTYPES[spec.dtype]
+        prog = RankProgram(m, ctx.rank, mf, model, dtype=dtype,
+                           optimizer=OptimizerSpec(spec.optimizer, spec.lr), groups=groups)
+        del model  # this rank keeps only its shards
+        bs = spec.batch_size or mf.batch_size
+        metrics = MetricsCollector(rank=ctx.rank, samples_per_step=bs, device=ctx.device)
+        comm = m.accounting()["total_bytes"]
+        losses = []
+        for step in range(spec.steps):
+            metrics.begin()
+            loss = prog.step(step, spec.batch_size)
+            report_event(metrics.end(step, loss=loss, comm_bytes=comm))
+            losses.append(loss)
+        shards = sdist.gather_objects(prog.shards())
+        summaries = sdist.gather_objects(metrics.summary())
+        if ctx.rank != 0:
+            return None
+        return {"losses": losses, "params": assemble([s for r in shards for s in r]),
+                "ranks": summaries, "accounting": m.accounting()}
