@@ -23,7 +23,7 @@ from ssdsl.errors import SsdslError
 from ssdsl.runtime.dist import (DistEnvError, RankEnv, all_gather_objects, default_timeout_s,
                                 distributed)
 from ssdsl.runtime.launch import (JobTimeout, LaunchError, RankFailed, WorkerNotFound, launch,
-                                  report_event, under_torchrun)
+                                  report_event, set_local_event_handler, under_torchrun)
 
 pytestmark = pytest.mark.slow
 
@@ -279,3 +279,16 @@ def test_the_same_worker_runs_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in range(2)]
     assert results == [(r, 2, 3 * 3.0, [1, 2]) for r in range(2)]
+
+
+def test_report_event_outside_launch_goes_to_the_local_handler(monkeypatch):
+    monkeypatch.delenv("SSDSL_LAUNCH_DIR", raising=False)
+    monkeypatch.setenv("RANK", "5")
+    report_event("dropped")  # no handler: nothing happens, nothing raises
+    seen = []
+    set_local_event_handler(lambda rank, obj: seen.append((rank, obj)))
+    try:
+        report_event({"step": 1})
+    finally:
+        set_local_event_handler(None)
+    assert seen == [(5, {"step": 1})]

@@ -165,10 +165,22 @@ def resolve_worker(worker: Worker) -> Callable[..., Any]:
     return obj
 
 
+_local_handler: EventHandler | None = None
+
+
+def set_local_event_handler(handler: EventHandler | None) -> None:
+    """Where ``report_event`` sends records when this process was not started by ``launch``
+    (under torchrun, say, rank 0 can feed its own ``LiveView``)."""
+    global _local_handler
+    _local_handler = handler
+
+
 def report_event(obj: Any) -> None:
-    """Send a small picklable record to the launcher's ``on_event``; a no-op outside ``launch``."""
+    """Send a small picklable record to the launcher's ``on_event`` (or the local handler)."""
     launch_dir = os.environ.get(_LAUNCH_DIR_VAR)
     if not launch_dir:
+        if _local_handler is not None:
+            _local_handler(int(os.environ.get("RANK", "0")), obj)
         return
     data = pickle.dumps(obj)
     path = Path(launch_dir) / f"rank{os.environ['RANK']}.events"
