@@ -93,11 +93,30 @@ def _suggest(graph: Graph, sel: Selector) -> str:
     if isinstance(sel, Kind):
         pool = sorted({op.kind for op in graph.ops})
         words = list(sel.kinds)
+    elif (fixed := _repair_path(graph, sel)) is not None:
+        return f" (did you mean '{fixed}'?)"
     else:
         pool = sorted({prefix for op in graph.ops for prefix in _prefixes(op.module)})
         words = [str(sel)]
     close = [m for w in words for m in difflib.get_close_matches(w, pool, n=3, cutoff=0.5)]
     return f" (did you mean {', '.join(repr(c) for c in dict.fromkeys(close))}?)" if close else ""
+
+
+def _repair_path(graph: Graph, sel: Path) -> Path | None:
+    """``sel`` with its misspelt name segments replaced by the closest module names, wildcards
+    kept (``h.*.atn`` -> ``h.*.attn``), when that matches some operator; else None."""
+    names = sorted({s for op in graph.ops for s in _segments(op.module) if not s.isdigit()})
+    segments = list(sel.segments)
+    for i, seg in enumerate(segments):
+        if isinstance(seg, str) and seg not in ("*", "**") and seg not in names:
+            close = difflib.get_close_matches(seg, names, n=1, cutoff=0.6)
+            if not close:
+                return None
+            segments[i] = close[0]
+    if segments == list(sel.segments):
+        return None
+    fixed = Path(tuple(segments))
+    return fixed if any(_match(fixed.segments, _segments(op.module)) for op in graph.ops) else None
 
 
 def _prefixes(module: str) -> list[str]:
