@@ -1,0 +1,100 @@
+"""The corpus of plans that are wrong for a given model: tests/plans/transform_bad/*.ssp.
+
+Each file starts with a header written by hand from the plan text and the model::
+
+    # model: gpt            (examples/gpt.py; a name ending in .py is a file beside the plan)
+    # world: 2
+    # expect: ErrorClass LINE:COL
+    # message: a substring the message must contain
+
+The plan is elaborated and transformed against the model traced on the meta device; the first
+error must be of that class, at that position of the plan file, and say that.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ssdsl.elaborate import elaborate_file
+from ssdsl.errors import ErrorGroup, SsdslError
+from ssdsl.ir.graph import Graph
+from ssdsl.trace import trace
+from ssdsl.trace.model_file import load_model_file
+from ssdsl.transform import transform
+from ssdsl.transform.apply import apply_directives
+from ssdsl.transform.errors import BadDevice
+
+BAD = Path(__file__).parent / "plans" / "transform_bad"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+FILES = sorted(BAD.glob("*.ssp"))
+HEADER = re.compile(r"# (model|world|expect|message): (.*)")
+_GRAPHS: dict[Path, Graph] = {}
+
+
+def header(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        m = HEADER.match(line)
+        if not m:
+            break
+        out[m.group(1)] = m.group(2).strip()
+    assert set(out) == {"model", "world", "expect", "message"}, f"{path.name}: incomplete header"
+    return out
+
+
+def model_path(name: str) -> Path:
+    return BAD / name if name.endswith(".py") else EXAMPLES / f"{name}.py"
+
+
+def graph_of(path: Path) -> Graph:
+    if path not in _GRAPHS:
+        _GRAPHS[path] = trace(load_model_file(path))
+    return _GRAPHS[path]
+
+
+def first_error(path: Path, head: dict[str, str]) -> SsdslError:
+    graph = graph_of(model_path(head["model"]))
+    with pytest.raises(SsdslError) as info:
+        transform(graph, elaborate_file(path, world=int(head["world"])))
+    err = info.value
+    return err.errors[0] if isinstance(err, ErrorGroup) else err
+
+
+def test_corpus_size_and_variety() -> None:
+    classes = {header(p)["expect"].split()[0] for p in FILES}
+    assert len(FILES) >= 8
+    assert {"EmptySelection", "MissingDim", "IndivisibleError", "FrozenDimError",
+            "PartCountMismatch", "UnplacedPart"} <= classes
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_bad_plan(path: Path) -> None:
+    head = header(path)
+    cls, pos = head["expect"].split()
+    line, column = map(int, pos.split(":"))
+    err = first_error(path, head)
+    rendered = err.render()
+    assert type(err).__name__ == cls, rendered
+    assert err.span is not None, rendered
+    assert Path(err.span.file).name == path.name, rendered
+    assert (err.span.line, err.span.column) == (line, column), rendered
+    assert head["message"] in err.message, rendered
+    assert rendered.startswith(f"{err.span.file}:{line}:{column}: "), rendered
+    assert "^" in rendered
+
+
+def test_bad_device_when_world_is_smaller_than_the_plan() -> None:
+    """The elaborator checks devices against its world; the transform checks its own world too
+    (a plan elaborated for 4 devices, applied to a run of 2)."""
+    graph = graph_of(EXAMPLES / "mlp.py")
+    plan = elaborate_file("dp", world=4)
+    with pytest.raises(SsdslError) as info:
+        apply_directives(graph, plan.directives, world=2)
+    errors = info.value.errors if isinstance(info.value, ErrorGroup) else [info.value]
+    assert {type(e) for e in errors} == {BadDevice}
+    assert len(errors) == 2   # devices 2 and 3
+    assert all(e.span.file.endswith("dp.ssp") for e in errors)
+    assert "device 2 is outside the 2 devices" in errors[0].message
