@@ -42,17 +42,49 @@ class _Builder:
         if not any(labels.values()):
             raise MissingDim(self._missing_message(names, d.dim), d.span,
                              hint="`ssdsl trace MODEL` shows each operator's dims")
-        lacking = [n for n in names if labels[n] is None]
-        if lacking and len(names) == 1:
-            raise MissingDim(self._missing_message(lacking, d.dim), d.span)
+        if len(names) == 1 and labels[names[0]] is None:
+            raise MissingDim(self._missing_message(names, d.dim), d.span)
+        # The split follows the data inside the selection: an operator without the dim whose
+        # input carries a dim split here (the GELU between Megatron's two MLP linears) is split
+        # along the dim that input flows into; operators reached by no split are replicated.
+        flowing: dict[str, int] = {}
+        lacking: list[str] = []
         for name in names:
-            if labels[name] is None:
+            label = labels[name] or self._follow(name, flowing)
+            if label is None:
+                lacking.append(name)
                 self._replicate_op(name, prefix, d.parts, d.span)
-            else:
-                self._split_op(name, prefix, labels[name], d.parts, d.span)
+                continue
+            self._split_op(name, prefix, label, d.parts, d.span)
+            self._record(name, label, flowing)
         if lacking:
             self.notes.append(f"{d.span}: {len(lacking)} operator(s) without dim '{d.dim}' "
                               f"replicated into {d.parts} (e.g. '{lacking[0]}')")
+
+    def _record(self, name: str, label: str, flowing: dict[str, int]) -> None:
+        """Note which dim of each output of ``name`` the split ``label`` lies on."""
+        ann = self.anns[name]
+        op = self.graph.op(name)
+        for tensor, sig in zip(op.outputs, ann.outputs):
+            for dim, factors in enumerate(sig):
+                if len(factors) == 1 and factors[0].label == label:
+                    flowing[tensor] = dim
+
+    def _follow(self, name: str, flowing: dict[str, int]) -> str | None:
+        """The spatial label of ``name`` that a split input dim flows into, if any."""
+        ann = self.anns[name]
+        if isinstance(ann, NotAnnotated):
+            return None
+        marks = ann.labels()
+        op = self.graph.op(name)
+        for tensor, sig in zip(op.inputs, ann.inputs):
+            dim = flowing.get(tensor)
+            if dim is None or dim >= len(sig) or len(sig[dim]) != 1:
+                continue
+            label = sig[dim][0].label
+            if marks[label].mark == "spatial":
+                return label
+        return None
 
     def _label(self, name: str, dim: str) -> str | None:
         ann = self.anns[name]
