@@ -12,11 +12,13 @@ derived error.
 from __future__ import annotations
 
 import itertools
-import re
 import operator
+import re
 from collections.abc import Callable
 from pathlib import Path as FsPath
 from typing import Any
+
+import attrs
 
 from ssdsl.elaborate import directives as D
 from ssdsl.elaborate import errors as E
@@ -42,6 +44,7 @@ class _Abort(Exception):
 
 
 _POISON = object()
+_UNSET = object()
 _ALL = D.All()
 
 
@@ -78,7 +81,8 @@ class Elaborator:
         self.part_counts: list[int] = []
         self.stack: list[str] = []
         self.frame = _Frame("<plan>")
-        self._static_sel: dict[int, D.Selector | None] = {}
+        self._free: dict[int, tuple[str, ...] | None] = {}
+        self._sel_cache: dict[object, D.Selector] = {}
         self._stmt: dict[type, Callable[[Any, dict], None]] = {
             A.Let: self._let, A.Partition: self._partition, A.Replicate: self._replicate,
             A.Assign: self._assign, A.AssignEach: self._assign_each,
@@ -383,8 +387,11 @@ class Elaborator:
 
     def place(self, p: A.Place, env: dict) -> tuple[int, ...]:
         """The device ids of a place, in order."""
-        if isinstance(p, A.PlaceDevice):
-            return (self._device(self.ev(p.device, env), p.device.span),)
+        if type(p) is A.PlaceDevice:
+            d = self.ev(p.device, env)
+            if type(d) is int and 0 <= d < self.world:
+                return (d,)
+            return (self._device(d, p.device.span),)
         if isinstance(p, A.PlaceDevices):
             value = self.ev(p.devices, env)
             if not isinstance(value, (Range, tuple)):
@@ -469,32 +476,46 @@ class Elaborator:
 
     # ============================================================ selectors
     def sel(self, s: A.Selector, env: dict) -> D.Selector:
-        """The symbolic selector of ``s``; static ones are built once per AST node."""
-        key = id(s)
-        cached = self._static_sel.get(key, False)
-        if cached is not False and cached is not None:
-            return cached
-        value = self._sel(s, env)
-        if cached is False:
-            self._static_sel[key] = value if _is_static(s) else None
-        return value
+        """The symbolic selector of ``s``.
+
+        Selectors are cached by AST node and the values of the names they read, so the selector
+        of ``h.{l}.mlp`` inside ``for i`` is built once per ``l``, not once per ``i``.
+        """
+        free = self._free.get(id(s), _UNSET)
+        if free is _UNSET:
+            # parts and stage references are cheap to build (their base is cached) and change
+            # with the loop index, so caching them would only fill the cache
+            free = None if type(s) in (A.SelPart, A.SelStage) else _free_names(s)
+            self._free[id(s)] = free
+        if free is None:  # also for ``rest``: its value depends on the statements before it
+            return self._sel(s, env)
+        if not free:
+            key: object = id(s)
+        elif len(free) == 1:
+            key = (id(s), env.get(free[0], _POISON))
+        else:
+            key = (id(s), *[env.get(n, _POISON) for n in free])
+        hit = self._sel_cache.get(key)
+        if hit is None:
+            hit = self._sel_cache[key] = self._sel(s, env)
+        return hit
 
     def _sel(self, s: A.Selector, env: dict) -> D.Selector:
-        if isinstance(s, A.SelPath):
+        if type(s) is A.SelPath:
             segs: list[D.Segment] = []
             for seg in s.segments:
                 segs.extend(self._segment(seg, env))
             return D.Path(tuple(segs))
-        if isinstance(s, A.SelBin):
+        if type(s) is A.SelBin:
             cls = {"|": D.Union, "&": D.Intersect, "except": D.Except}[s.op]
             return cls(self.sel(s.left, env), self.sel(s.right, env))
-        if isinstance(s, A.SelAll):
+        if type(s) is A.SelAll:
             return _ALL
-        if isinstance(s, A.SelRest):
+        if type(s) is A.SelRest:
             return D.Rest(tuple(self.frame.rest))
-        if isinstance(s, A.SelKind):
+        if type(s) is A.SelKind:
             return D.Kind(s.kinds)
-        if isinstance(s, A.SelStage):
+        if type(s) is A.SelStage:
             return self._stage_ref(s, env)
         return self._part(s, env)
 
@@ -513,7 +534,9 @@ class Elaborator:
     def _part(self, s: A.SelPart, env: dict) -> D.PartOf:
         index = []
         for e in s.index:
-            i = self._int(e, env, "a part index")
+            i = self.ev(e, env)
+            if type(i) is not int:
+                i = self._int(e, env, "a part index")
             if i < 0:
                 raise E.IndexOutOfRange(f"a part index is >= 0, got {i}", e.span)
             index.append(i)
@@ -535,6 +558,10 @@ class Elaborator:
     # ============================================================ expressions
     def ev(self, e: A.Expr, env: dict) -> Any:
         """The value of expression ``e``."""
+        if type(e) is A.Name:  # the most frequent case, without the dispatch
+            v = env.get(e.id, _POISON)
+            if v is not _POISON:
+                return v
         return self._expr[type(e)](e, env)
 
     def _name(self, e: A.Name, env: dict) -> Any:
@@ -701,10 +728,18 @@ def _mesh_devices(mesh: D.Mesh, chosen: dict[str, int | None]) -> tuple[int, ...
     return tuple(out)
 
 
-def _is_static(s: A.Selector) -> bool:
-    """True when a selector contains no expression and no ``rest``: its value never changes."""
-    if isinstance(s, A.SelPath):
-        return all(seg.kind != "expr" for seg in s.segments)
-    if isinstance(s, A.SelBin):
-        return _is_static(s.left) and _is_static(s.right)
-    return isinstance(s, (A.SelAll, A.SelKind))
+def _free_names(s: A.Selector) -> tuple[str, ...] | None:
+    """The names a selector's expressions read (sorted), or None when it contains ``rest``."""
+    names: set[str] = set()
+    stack: list[object] = [s]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, A.SelRest):
+            return None
+        if isinstance(node, A.Name):
+            names.add(node.id)
+        elif isinstance(node, tuple):
+            stack.extend(node)
+        elif attrs.has(type(node)) and not isinstance(node, Span):
+            stack.extend(getattr(node, f.name) for f in attrs.fields(type(node)))
+    return tuple(sorted(names))
