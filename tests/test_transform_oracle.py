@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssdsl.elaborate import elaborate_file, elaborate_text
+from ssdsl.elaborate import elaborate_file
 from ssdsl.ir.graph import Graph, Op
 from ssdsl.ir.interpret import call_target, run_op
 from ssdsl.ir.region import Region
@@ -31,13 +31,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # gpt.py uses nanoGPT's module names; the stdlib megatron_tp defaults are generic ones.
 GPT_NAMES = {"attn_out": "attn.c_proj", "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj"}
 # stdlib dp_tp does not forward megatron_tp's module names, so gpt gets the same plan with them.
-DP_TP_GPT = """\
-plan dp_tp_gpt(dp: int = 1, tp: int = world // dp)
-mesh m = grid(dp=dp, tp=tp)
-partition all along batch into dp
-use megatron_tp(tp=tp, attn_out="attn.c_proj", mlp_in="mlp.c_fc", mlp_out="mlp.c_proj", placed=false)
-assign each part (d, t) in [0..dp, 0..tp] to m[dp=d, tp=t]
-"""
+DP_TP_GPT = Path(__file__).resolve().parent / "plans" / "transform_good" / "dp_tp_gpt.ssp"
 
 _MODELS: dict[str, tuple[Graph, dict[str, torch.Tensor]]] = {}
 
@@ -72,7 +66,7 @@ def _f64(v):
 
 def plan(name: str, world: int, model_name: str):
     if name == "dp_tp" and model_name == "gpt":
-        return elaborate_text(DP_TP_GPT, "dp_tp_gpt.ssp", world=world, sets={"dp": "2"})
+        return elaborate_file(DP_TP_GPT, world=world, sets={"dp": "2"})
     sets = GPT_NAMES if name == "megatron_tp" and model_name == "gpt" else {}
     if name == "dp_tp":
         sets = {**sets, "dp": "2"}

@@ -1,13 +1,12 @@
 """``ssdsl check [MODEL] PLAN``: elaborate a plan and show its directives.
 
-With a model file first (``model.py``), the plan is also resolved against the traced graph, once
-``ssdsl.transform`` offers ``resolve``; until then that form is refused with a clear message.
+With a model file first (``model.py``), the plan is also resolved against the model traced on the
+meta device, and each operator's parts are listed (``ssdsl.cli._resolve``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from typing import Any
@@ -80,21 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_with_model(model: str, plan: ElaboratedPlan, args: argparse.Namespace) -> int:
-    try:
-        transform = importlib.import_module("ssdsl.transform")
-    except ModuleNotFoundError:
-        transform = None
-    resolve = getattr(transform, "resolve", None)
-    if resolve is None:
-        raise UsageError("resolving a plan against a model is not built yet "
-                         "(ssdsl.transform.resolve); run 'ssdsl check PLAN' without the model")
-    result = resolve(model, plan)
-    if args.json and hasattr(result, "to_json"):
-        json.dump(result.to_json(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print(result)
-    return 0
+    from ssdsl.cli._resolve import check_model
+    return check_model(model, plan, as_json=args.json)
 
 
 def print_plan(plan: ElaboratedPlan) -> None:

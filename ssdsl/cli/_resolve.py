@@ -1,0 +1,130 @@
+"""``ssdsl check MODEL PLAN``: a plan resolved against a traced model, one row per operator.
+
+The model is traced on the meta device (nothing is allocated), the plan's partition, replicate
+and assign directives are applied (``ssdsl.transform``), and each operator is shown with its parts:
+which dims were split into how many, how many copies, and the devices that hold them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ssdsl.elaborate.directives import ElaboratedPlan
+from ssdsl.trace import trace
+from ssdsl.trace.model_file import load_model_file
+from ssdsl.transform import Part, Transformed, transform
+
+
+def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False) -> int:
+    """Trace ``model``, transform it by ``plan`` and print the result; returns the exit status."""
+    graph = trace(load_model_file(model), device="meta")
+    result = transform(graph, plan)
+    rows = op_rows(result)
+    if as_json:
+        json.dump(to_json(model, plan, result, rows), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print_table(model, plan, result, rows)
+    return 0
+
+
+def op_rows(t: Transformed) -> list[dict[str, Any]]:
+    """One dict per operator, in graph order: its parts and how they were made."""
+    rows = []
+    for op in t.graph.ops:
+        parts = t.parts[op.name]
+        names = dict(getattr(t.annotations[op.name], "names", {}))
+        rows.append({
+            "name": op.name, "kind": op.kind, "module": op.module,
+            "parts": len(parts),
+            "split": {_dim_name(label, names): n for label, n in _split_counts(parts).items()},
+            "copies": _copies(parts),
+            "partial_sums": any(p.sub.value for p in parts),
+            "devices": sorted({p.device for p in parts if p.device is not None}),
+            "part_list": [_part_json(p, names) for p in parts],
+        })
+    return rows
+
+
+def _split_counts(parts: Sequence[Part]) -> dict[str, int]:
+    """For each split label, into how many ranges the parts cut it."""
+    ranges: dict[str, set] = {}
+    for p in parts:
+        for label, interval in p.ranges:
+            ranges.setdefault(label, set()).add(interval)
+    return {label: len(seen) for label, seen in ranges.items() if len(seen) > 1}
+
+
+def _copies(parts: Sequence[Part]) -> int:
+    """How many copies replicate made of each part (1: none)."""
+    return max((len({p.replica_index for p in parts}), 1))
+
+
+def _dim_name(label: str, names: dict[str, str]) -> str:
+    """``batch`` for a label carrying a flowing name, else the op-local label (``n``)."""
+    return names.get(label, label)
+
+
+def _part_json(p: Part, names: dict[str, str]) -> dict[str, Any]:
+    return {"index": list(p.index), "replica": list(p.replica), "device": p.device,
+            "ranges": {_dim_name(label, names): list(r) for label, r in p.ranges},
+            "partial_sum": bool(p.sub.value)}
+
+
+def to_json(model: str, plan: ElaboratedPlan, t: Transformed,
+            rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"model": model, "plan": plan.name, "file": plan.file, "world": plan.world,
+            "params": {k: v if isinstance(v, (int, float, bool, str)) else str(v)
+                       for k, v in plan.params},
+            "ops": [{**{k: v for k, v in r.items() if k != "part_list"}, "parts": r["part_list"]}
+                    for r in rows],
+            "devices": t.devices(), "notes": list(t.notes),
+            "deferred": [str(d) for d in t.deferred]}
+
+
+def devices_text(devices: Sequence[int]) -> str:
+    """``0..3`` for a run of consecutive ids, else ``0,2,5``; ``-`` for none."""
+    if not devices:
+        return "-"
+    if len(devices) > 2 and list(devices) == list(range(devices[0], devices[-1] + 1)):
+        return f"{devices[0]}..{devices[-1]}"
+    return ",".join(map(str, devices))
+
+
+def split_text(row: dict[str, Any]) -> str:
+    dims = [f"{d}/{n}" for d, n in row["split"].items()]
+    if row["copies"] > 1:
+        dims.append(f"x{row['copies']} copies")
+    if row["partial_sums"]:
+        dims.append("(partial sums)")
+    return " ".join(dims) or "-"
+
+
+def print_table(model: str, plan: ElaboratedPlan, t: Transformed,
+                rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(120, Console().width))
+    params = ", ".join(f"{k}={v!r}" for k, v in plan.params) or "no parameters"
+    table = Table(title=f"{plan.name} on {model}: world={plan.world}, {params}",
+                  title_justify="left")
+    for col in ("name", "kind", "module", "parts", "split dims", "devices"):
+        table.add_column(col, overflow="fold", justify="right" if col == "parts" else "left")
+    for r in rows:
+        style = "dim" if r["parts"] == 1 else None
+        table.add_row(r["name"], r["kind"], r["module"] or "-", str(r["parts"]), split_text(r),
+                      devices_text(r["devices"]), style=style)
+    console.print(table, highlight=False)
+    n_parts = sum(r["parts"] for r in rows)
+    console.print(f"{len(rows)} operators, {n_parts} parts on devices "
+                  f"{devices_text(t.devices())}", highlight=False)
+    for note in t.notes:
+        console.print(f"note: {note}", style="yellow", highlight=False)
+    if t.deferred:
+        console.print(f"{len(t.deferred)} directive(s) left for the schedule phase: "
+                      + "; ".join(str(d) for d in t.deferred[:5])
+                      + (" ..." if len(t.deferred) > 5 else ""), style="dim", highlight=False)
