@@ -99,19 +99,20 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32) -> Materi
     sources = source_names(t)
     producer = g.producer()
     edges: dict[tuple[str, str, int], Edge] = {}
-    uses: dict[tuple[str, str, int, int], SourceUse] = {}
+    reads: dict[tuple[str, str, int, int], Part] = {}
     for op in g.ops:
         for slot, name in enumerate(op.inputs):
             readers = [p for p in t.parts[op.name] if p.sub.inputs[slot] is not None]
             if name in sources:
                 for p in readers:
-                    uses[(name, op.name, slot, p.device)] = SourceUse(
-                        name, _region(t, name, p.sub.inputs[slot]), 1.0 / _replicas(t, p, slot))
+                    reads[(name, op.name, slot, p.device)] = p
                 continue
             edges[(name, op.name, slot)] = Edge(name, op.name, slot,
                                                 _edge_adapter(t, producer[name], name, readers,
                                                               slot, dtype))
-    weights = _weights(t, uses, dtype)
+    weights, scales = _weights(t, reads, dtype)
+    uses = {key: SourceUse(key[0], _region(t, key[0], p.sub.inputs[key[2]]), scales.get(key, 1.0))
+            for key, p in reads.items()}
     return Materialized(t, edges, uses, plan_grad_reducer(weights), dtype)
 
 
@@ -139,14 +140,42 @@ def _replicas(t: Transformed, part: Part, slot: int) -> int:
                if p.partition_index == part.partition_index and p.sub.inputs[slot] == region)
 
 
-def _weights(t: Transformed, uses: Mapping, dtype: torch.dtype) -> list[Weight]:
-    by_param: dict[str, set[tuple[int, Region]]] = {}
-    for (name, _op, _slot, device), use in uses.items():
-        if name in t.graph.params:
-            by_param.setdefault(name, set()).add((device, use.region))
-    return [Weight(name, tuple(t.graph.tensors[name].shape), dtype,
-                   tuple(sorted(pl, key=lambda x: (x[0], str(x[1])))))
-            for name, pl in by_param.items()]
+def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int], Part],
+             dtype: torch.dtype) -> tuple[list[Weight], dict[tuple, float]]:
+    """The reducer's weights, and the gradient scale of each parameter read.
+
+    Devices holding a region of a parameter fall into classes whose gradient contributions are
+    copies of each other (their parts of every consumer are replicas of one another). When the
+    classes are equal in size, the i-th device of each class sums with the i-th of the others:
+    Megatron's replicated layer norms need no reduction at all, and under dp x tp they reduce over
+    the dp axis only. Otherwise every holder sums and each replica counts 1/R of its gradient.
+    """
+    holders: dict[tuple[str, Region], dict[int, list]] = {}
+    for key, p in reads.items():
+        name, op, slot, device = key
+        if name not in t.graph.params:
+            continue
+        region = _region(t, name, p.sub.inputs[slot])
+        holders.setdefault((name, region), {}).setdefault(device, []).append(
+            (op, slot, p.partition_index))
+    weights: list[Weight] = []
+    scales: dict[tuple, float] = {}
+    for (name, region), by_device in holders.items():
+        classes: dict[tuple, list[int]] = {}
+        for device, sig in sorted(by_device.items()):
+            classes.setdefault(tuple(sorted(sig)), []).append(device)
+        sizes = {len(c) for c in classes.values()}
+        shape = tuple(t.graph.tensors[name].shape)
+        if len(sizes) == 1:
+            for i in range(sizes.pop()):
+                group = tuple((c[i], region) for c in classes.values())
+                weights.append(Weight(name, shape, dtype, group))
+            continue
+        weights.append(Weight(name, shape, dtype, tuple((d, region) for d in sorted(by_device))))
+        for key, p in reads.items():
+            if key[0] == name and _region(t, name, p.sub.inputs[key[2]]) == region:
+                scales[key] = 1.0 / _replicas(t, p, key[2])
+    return weights, scales
 
 
 def _check_one_part_per_device(t: Transformed) -> None:
