@@ -72,9 +72,10 @@ def _float(t: torch.Tensor) -> bool:
 def run_whole(call: Call, values: Mapping[str, torch.Tensor], seed: int = 0):
     """Outputs and input gradients of the whole op (the oracle)."""
     ins = [values[n].detach().clone().requires_grad_(_float(values[n])) for n in call.op.inputs]
-    env = dict(zip(call.op.inputs, ins))
-    args = map_tensor_refs(call.op.args, lambda r: env[r.name])
-    kwargs = {k: map_tensor_refs(v, lambda r: env[r.name]) for k, v in call.op.kwargs}
+    # by position: a tensor passed twice (cat((x, x))) is two inputs with their own gradients
+    order = iter(ins)
+    args = map_tensor_refs(call.op.args, lambda r: next(order))
+    kwargs = {k: map_tensor_refs(v, lambda r: next(order)) for k, v in call.op.kwargs}
     out = call_target(call.op.target, args, kwargs)
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
     g = torch.Generator().manual_seed(seed)

@@ -12,7 +12,7 @@ import torch
 from ssdsl.ir.graph import Graph, map_tensor_refs
 from ssdsl.ir.interpret import run_op
 from ssdsl.ir.interpret import run_graph
-from ssdsl.ops import Call, NotAnnotated, annotate, label_for_name
+from ssdsl.ops import Call, NotAnnotated, annotate, annotate_call, label_for_name
 from ssdsl.trace import trace
 from ssdsl.trace.model_file import load_model_file
 from tests.test_ops_oracle import check_parts, equal_parts
@@ -112,12 +112,15 @@ def test_every_op_splits_on_real_activations(name: str) -> None:
         if key in seen:
             continue
         seen.add(key)
-        ann = annotate(graph, op)
         call = Call(op, graph.tensors)
         vals = {t: values[t] for t in op.inputs}
-        for label in ann.splittable():
-            if ann.sizes()[label] % 2 == 0:
-                check_parts(call, ann, vals, equal_parts(ann, label, 2), atol=1e-8)
+        # the op's own labels, and the finer factors that carry a flowing name (heads in 3C)
+        raw, ann = annotate_call(call), annotate(graph, op)
+        cases = [(raw, lab) for lab in raw.splittable()]
+        cases += [(ann, lab) for lab in ann.splittable() if "." in lab and lab in ann.names]
+        for a, label in cases:
+            if a.sizes()[label] % 2 == 0:
+                check_parts(call, a, vals, equal_parts(a, label, 2), atol=1e-8)
 
 
 def test_gpt_traces_on_meta_without_memory() -> None:

@@ -22,7 +22,7 @@ _targets = (
     + [f"aten.{n}.Tensor" for n in BINARY_TENSOR]
     + [f"aten.{n}.Scalar" for n in ["add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt",
                                     "ge", "rsub", "remainder", "fmod"]]
-    + ["aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.pow.Scalar", "aten.rsub.Tensor",
+    + ["aten.__and__.Tensor", "aten.__or__.Tensor", "aten.__and__.Scalar", "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.pow.Scalar", "aten.rsub.Tensor",
        "aten.div.Tensor_mode", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device",
        "aten.to.other", "aten.type_as.default", "aten.where.self", "aten.where.ScalarSelf",
        "aten.where.ScalarOther", "aten.masked_fill.Scalar", "aten.masked_fill.Tensor",

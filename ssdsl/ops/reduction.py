@@ -83,3 +83,17 @@ def softmax(call: Call) -> Annotation:
     name = call.op.kind
     return Annotation((plain(labels, shape),), (plain(labels, shape),),
                       frozen={labels[d]: f"{name} normalizes along it"})
+
+
+@register("aten.diff.default")
+def diff(call: Call) -> Annotation:
+    """Differences along one dim: that dim is frozen (a part's first element needs its left
+    neighbour); the other dims are independent."""
+    shape = call.in_shapes[0]
+    d = norm_dim(call.arg(2, "dim", -1), len(shape))
+    labels = dims(len(shape))
+    (out,) = call.out_shapes
+    ins = [plain(labels, s) for s in call.in_shapes]
+    out_labels = [*labels[:d], "o", *labels[d + 1:]]
+    frozen = {labels[d]: "differences cross part boundaries", "o": "differences along it"}
+    return Annotation(tuple(ins), (plain(out_labels, out),), frozen=frozen)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ssdsl.ops.build import dims, lower_sizes, norm_dim, plain, reshape_sigs, set_arg
+from ssdsl.ops.build import broadcast, dims, lower_sizes, norm_dim, plain, reshape_sigs, set_arg
 from ssdsl.ops.core import (
     Annotation, Call, Factor, Interval, LocalCall, Unsplittable, local_shape, register,
 )
@@ -240,18 +240,27 @@ def roll(call: Call) -> Annotation:
 
 @register("aten.index.Tensor")
 def index(call: Call) -> Annotation:
-    """``x[idx]`` with one index tensor (``x[:, idx]`` too): the indexed dim is replaced by the
-    index's dims; both the index's dims and x's other dims can be split."""
+    """``x[i0, i1, ...]``: the indexed dims of x are looked up (frozen); the index tensors'
+    broadcast dims and x's other dims can be split. The broadcast dims stand where the indexed
+    dims were when those are adjacent, else first (numpy's rule)."""
     src, dst = call.shape(0, "self"), call.out_shapes[0]
     indices = call.arg(1, "indices")
     used = [k for k, t in enumerate(indices) if t is not None]
-    if len(used) != 1:
-        raise Unsplittable("indexing with several index tensors")
-    k = used[0]
-    idx_shape = call.info(indices[k]).shape
+    idx_shapes = [call.info(indices[k]).shape for k in used]
+    bshape = dst[used[0]:used[0] + len(dst) - (len(src) - len(used))] \
+        if used == list(range(used[0], used[-1] + 1)) else dst[:len(dst) - len(src) + len(used)]
+    idx_sigs, bsig = broadcast(idx_shapes, bshape, "i")
     labels = dims(len(src))
-    labels[k] = "v"
-    idx_labels = dims(len(idx_shape), "i")
-    out_labels = [*labels[:k], *idx_labels, *labels[k + 1:]]
-    return Annotation((plain(labels, src), plain(idx_labels, idx_shape)),
-                      (plain(out_labels, dst),), frozen={"v": "looked up by index"})
+    frozen = {}
+    for k in used:
+        labels[k] = f"v{k}"
+        frozen[f"v{k}"] = "looked up by index"
+    rest = [(Factor(lab, s),) for lab, s in zip(labels, src) if not lab.startswith("v")]
+    if used == list(range(used[0], used[-1] + 1)):
+        before = [(Factor(lab, s),) for lab, s in zip(labels[:used[0]], src[:used[0]])]
+        out = (*before, *bsig, *rest[len(before):])
+    else:
+        out = (*bsig, *rest)
+    frozen.update({f.label: "an index dim broadcast from size 1"
+                   for sig in idx_sigs for d in sig for f in d if "_b" in f.label})
+    return Annotation((plain(labels, src), *idx_sigs), (tuple(out),), frozen=frozen)
