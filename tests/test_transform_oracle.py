@@ -31,7 +31,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # gpt.py uses nanoGPT's module names; the stdlib megatron_tp defaults are generic ones.
 GPT_NAMES = {"attn_out": "attn.c_proj", "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj"}
 # stdlib dp_tp does not forward megatron_tp's module names, so gpt gets the same plan with them.
-DP_TP_GPT = Path(__file__).resolve().parent / "plans" / "transform_good" / "dp_tp_gpt.ssp"
+GOOD = Path(__file__).resolve().parent / "plans" / "transform_good"
+DP_TP_GPT = GOOD / "dp_tp_gpt.ssp"
 
 _MODELS: dict[str, tuple[Graph, dict[str, torch.Tensor]]] = {}
 
@@ -67,6 +68,8 @@ def _f64(v):
 def plan(name: str, world: int, model_name: str):
     if name == "dp_tp" and model_name == "gpt":
         return elaborate_file(DP_TP_GPT, world=world, sets={"dp": "2"})
+    if (GOOD / f"{name}.ssp").is_file():
+        return elaborate_file(GOOD / f"{name}.ssp", world=world)
     sets = GPT_NAMES if name == "megatron_tp" and model_name == "gpt" else {}
     if name == "dp_tp":
         sets = {**sets, "dp": "2"}
@@ -85,7 +88,7 @@ def transformed(model_name: str, plan_name: str, world: int) -> Transformed:
 
 
 CASES = [("mlp", "dp", 2), ("mlp", "dp", 4), ("gpt", "dp", 2), ("gpt", "dp", 4),
-         ("gpt", "megatron_tp", 2), ("gpt", "dp_tp", 4)]
+         ("gpt", "megatron_tp", 2), ("gpt", "dp_tp", 4), ("mlp", "mlp_2d", 4)]
 IDS = [f"{m}-{p}-{w}" for m, p, w in CASES]
 
 
@@ -180,9 +183,12 @@ def test_loss_from_parts(model_name: str, plan_name: str, world: int) -> None:
 # ------------------------------------------------------------------------------ placement
 
 def expected_device(plan_name: str, part: Part, world: int) -> int:
-    if plan_name == "dp_tp":
+    if plan_name == "dp_tp":       # part (d, t) on d * tp + t, dp = 2
         d, tp_index = part.index
         return d * (world // 2) + tp_index
+    if plan_name == "mlp_2d":      # part (t, d) on t * dp + d, tp = 2
+        tp_index, d = part.index
+        return tp_index * (world // 2) + d
     (k,) = part.index
     return k
 
@@ -252,8 +258,9 @@ def _vjp(op: Op, part: Part, inputs: list, upstream: tuple, i: int) -> torch.Ten
 
 
 @pytest.mark.parametrize(("model_name", "plan_name", "world"),
-                         [("gpt", "megatron_tp", 2), ("gpt", "dp_tp", 4), ("mlp", "dp", 2)],
-                         ids=["gpt-megatron_tp-2", "gpt-dp_tp-4", "mlp-dp-2"])
+                         [("gpt", "megatron_tp", 2), ("gpt", "dp_tp", 4), ("mlp", "dp", 2),
+                          ("mlp", "mlp_2d", 4)],
+                         ids=["gpt-megatron_tp-2", "gpt-dp_tp-4", "mlp-dp-2", "mlp-mlp_2d-4"])
 def test_grad_value_part_matches_autograd(model_name: str, plan_name: str, world: int) -> None:
     graph, env = model(model_name)
     t = transformed(model_name, plan_name, world)
