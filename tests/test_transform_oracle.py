@@ -28,8 +28,8 @@ from ssdsl.trace.model_file import load_model_file
 from ssdsl.transform import Part, Transformed, transform
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# gpt.py uses nanoGPT's module names; the stdlib megatron_tp defaults are generic ones.
-GPT_NAMES = {"attn_out": "attn.c_proj", "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj"}
+# The stdlib megatron_tp defaults follow gpt.py's GPT-2 / nanoGPT module names.
+GPT_NAMES: dict[str, str] = {}
 # stdlib dp_tp does not forward megatron_tp's module names, so gpt gets the same plan with them.
 GOOD = Path(__file__).resolve().parent / "plans" / "transform_good"
 DP_TP_GPT = GOOD / "dp_tp_gpt.ssp"
