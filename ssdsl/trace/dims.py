@@ -142,15 +142,13 @@ def _name_dim(uf, named, cuts, t: str, d: int, name: str) -> None:
 
 
 def _name_atoms(uf, named, atoms, name: str) -> None:
-    taken = set(named.values())
+    # A named dim cut into factors names its outermost factor ``name`` (a split of it into N
+    # parts, N dividing that factor, is a split of the whole dim) and the others ``name.1``...
+    # A class keeps the first name it gets: model inputs are named before op-introduced names.
     for i, atom in enumerate(atoms):
         root = uf.find(atom)
-        if root in named:
-            continue
-        label = name if i == 0 else f"{name}.{i}"
-        if label in taken and i == 0 and name not in (named.get(uf.find(a)) for a in atoms):
-            pass  # the same name on two different classes is fine: one per model input dim
-        named[root] = label
+        if root not in named:
+            named[root] = name if i == 0 else f"{name}.{i}"
 
 
 def _with_factors(info: TensorInfo, cuts, names) -> TensorInfo:
