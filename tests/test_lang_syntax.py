@@ -29,6 +29,8 @@ def test_every_example_gives_its_own_entry(cls, message, text):
      "microbatch"),
     ("plan p()\npartition all alng batch into 2\n", 2, 15, "alng", "along"),
     ("plan p()\nreplicate all intoo 2\n", 2, 15, "intoo", "into"),
+    ("plan p()\nassign all to devic 0\n", 2, 15, "devic", "device"),
+    ("plan p()\nmesh m = gird(a=2)\n", 2, 10, "gird", "grid"),
 ])
 def test_misspelled_keyword(text, line, column, word, suggestion):
     with pytest.raises(E.UnknownKeyword) as info:

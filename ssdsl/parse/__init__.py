@@ -11,6 +11,7 @@ The grammar (``grammar/ssp.lark``) is loaded once and cached. Syntax errors beco
 from __future__ import annotations
 
 import difflib
+import re
 import threading
 from functools import cache
 from pathlib import Path
@@ -156,6 +157,9 @@ def _friendly(exc: UnexpectedInput, file: str, source: str) -> SsdslError:
     if typo:
         return UnknownKeyword(f"unknown keyword '{tok}' (did you mean '{typo}'?)", span,
                               hint=f"write '{typo}'")
+    previous = _misspelled_word_before(source, line, column, file)
+    if previous is not None:
+        return previous
     example = match_example(exc, source)
     if example is not None:
         cls, message, hint = example
@@ -164,10 +168,31 @@ def _friendly(exc: UnexpectedInput, file: str, source: str) -> SsdslError:
                            f"{_expected_text(exc.expected)}", span)
 
 
+def _misspelled_word_before(source: str, line: int, column: int, file: str
+                            ) -> UnknownKeyword | None:
+    """A keyword misspelled where a name also fits (``to devic 0``, ``devic`` read as a mesh
+    name) only fails at the next token; blame the word just before it when it is close to a
+    keyword and is not one."""
+    lines = source.splitlines()
+    if not 1 <= line <= len(lines):
+        return None
+    m = re.search(r"([A-Za-z_]\w*)[ \t]+$", lines[line - 1][:column - 1])
+    if m is None or m.group(1) in KEYWORDS:
+        return None
+    close = difflib.get_close_matches(m.group(1), KEYWORDS, n=1, cutoff=0.8)
+    if not close:
+        return None
+    span = Span.point(file, line, m.start(1) + 1, len(m.group(1)))
+    return UnknownKeyword(f"unknown keyword '{m.group(1)}' (did you mean '{close[0]}'?)", span,
+                          hint=f"write '{close[0]}'")
+
+
 def _keyword_typo(tok: Token, expected: set[str]) -> str | None:
     if tok.type != "NAME" or str(tok) in KEYWORDS:  # a keyword out of place is no typo
         return None
     keywords = [w.strip("'") for e in expected if (w := _terminal_words().get(e, "")).startswith("'")]
+    if "PASS" in expected:
+        keywords += ["forward", "backward", "input_grad", "weight_grad"]
     keywords = [k for k in keywords if k.isidentifier()] or list(KEYWORDS)
     close = difflib.get_close_matches(str(tok), keywords, n=1, cutoff=0.75)
     return close[0] if close else None
