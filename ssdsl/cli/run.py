@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 
 from ssdsl.errors import UsageError
-from ssdsl.runtime.job import DTYPES, JobSpec, rank_main
+from ssdsl.runtime.job import DTYPES, JobSpec, plan_job, rank_main
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
     spec = JobSpec(args.model, args.plan, _sets(args.set), args.steps, args.batch_size,
                    args.seed, args.dtype, args.optimizer, args.lr)
-    load_model_file(args.model)  # a bad model file fails here, once, with a clear message
     if under_torchrun():
         result = rank_main(spec)
         if result is None:
@@ -64,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         nproc = len(result["ranks"])
     else:
         nproc = args.nproc or 1
+        # Plan once here, exactly as every rank will: a bad model file or plan fails now, once,
+        # with its location and exit status 2, instead of in N processes after they started.
+        plan_job(spec, nproc)
         result = launch(rank_main, nproc=nproc, args=(spec,), timeout_s=args.timeout)[0]
     console = Console(file=sys.stdout, soft_wrap=True)
     verdict = None
