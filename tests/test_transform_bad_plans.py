@@ -67,7 +67,7 @@ def test_corpus_size_and_variety() -> None:
     classes = {header(p)["expect"].split()[0] for p in FILES}
     assert len(FILES) >= 8
     assert {"EmptySelection", "MissingDim", "IndivisibleError", "FrozenDimError",
-            "PartCountMismatch", "UnplacedPart"} <= classes
+            "NotAnnotatedError", "PartCountMismatch", "UnplacedPart"} <= classes
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])

@@ -25,19 +25,28 @@ DIM_WORDS = {"linear": {"in": "k", "out": "n"}, "addmm": {"in": "k", "out": "n"}
 class _Builder:
     """The mutable part table, alive only while one plan is applied."""
 
-    def __init__(self, graph: Graph, world: int) -> None:
+    def __init__(self, graph: Graph, world: int, *, start: Transformed | None = None) -> None:
         self.graph = graph
         self.world = world
+        self.notes: list[str] = []
+        if start is not None:  # continue from an earlier result (the schedule phase's assigns)
+            self.anns = dict(start.annotations)
+            self.parts = {k: list(v) for k, v in start.parts.items()}
+            return
         self.anns = {op.name: annotate(graph, op) for op in graph.ops}
         self.parts: dict[str, list[Part]] = {
             op.name: [Part(op.name, (), (), (), whole_part(graph, op, self.anns[op.name]))]
             for op in graph.ops}
-        self.notes: list[str] = []
 
     # ------------------------------------------------------------------ partition
     def partition(self, d: Partition) -> None:
         prefix, base = part_prefix(d.selector)
         names = select_ops(self.graph, base, d.span)
+        if all(isinstance(self.anns[n], NotAnnotated) for n in names):
+            try:  # the rule's own error, naming the operator and why it has no annotation
+                require(self.anns[names[0]], self.graph.op(names[0]))
+            except NotAnnotatedError as err:
+                raise _at(err, d.span) from None
         labels = {n: self._label(n, d.dim) for n in names}
         if not any(labels.values()):
             raise MissingDim(self._missing_message(names, d.dim), d.span,
@@ -159,7 +168,10 @@ class _Builder:
                                 f"(0..{self.world - 1})", d.span,
                                 hint="run with more processes (--nproc) or change the plan")
         prefix, base = part_prefix(d.selector)
-        names = select_ops(self.graph, base, d.span)
+        self.place(select_ops(self.graph, base, d.span), prefix, d)
+
+    def place(self, names: Sequence[str], prefix: tuple[int, ...], d: Assign) -> None:
+        """Put the parts of ``names`` whose index starts with ``prefix`` on ``d.devices``."""
         placed = 0
         for name in names:
             chosen = [p for p in self.parts[name] if p.index[:len(prefix)] == prefix]
@@ -220,11 +232,24 @@ def apply_directives(graph: Graph, directives: Sequence, *, world: int,
     errors.raise_if_any()
     result = b.result(tuple(deferred))
     if require_placement and not any(isinstance(d, Assign) for d in deferred):
-        _check_placed(result)
+        check_placed(result)
     return result
 
 
-def _check_placed(t: Transformed) -> None:
+def assign_ops(t: Transformed, placements: Sequence[tuple[Sequence[str], Assign]]) -> Transformed:
+    """``t`` with each ``(operator names, assign)`` applied, as ``assign`` applies a selector
+    (the schedule phase resolves ``assign st[i] to ...`` to the operators of stage i)."""
+    b = _Builder(t.graph, t.world, start=t)
+    errors = ErrorCollector()
+    for names, d in placements:
+        with errors.catch():
+            b.place(names, part_prefix(d.selector)[0], d)
+    errors.raise_if_any()
+    return attrs.evolve(t, parts={k: tuple(row_major(v)) for k, v in b.parts.items()})
+
+
+def check_placed(t: Transformed) -> None:
+    """Raise ``UnplacedPart`` when some part has no device."""
     missing = [p for ps in t.parts.values() for p in ps if p.device is None]
     if not missing:
         return
