@@ -77,7 +77,8 @@ class Resolver:
         if new_scope:
             self.scopes.stack.append({})
         for name, span in bound:
-            self.scopes.stack[-1][name] = span
+            with self.errors.catch():
+                self.scopes.bind(name, span)
         for stmt in body:
             self._stmt(stmt)
         if new_scope:
@@ -102,7 +103,10 @@ class Resolver:
                 self._selector(s.of)
             if s.space is not None:
                 self._expr(s.space)
-            self.scopes.stack.append({v: s.span for v in s.vars})
+            self.scopes.stack.append({})
+            for v in s.vars:
+                with self.errors.catch():
+                    self.scopes.bind(v, s.span)
             self._place(s.place)
             self.scopes.stack.pop()
         else:
