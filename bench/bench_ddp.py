@@ -86,7 +86,41 @@ def measure_ddp(model_path: str, *, nproc: int, batch_size: int, steps: int, see
     return [max(times) for times in zip(*per_rank)]
 
 
-MEASUREMENTS: dict[str, Measurement] = {"ddp": measure_ddp}
+def ssdsl_worker(model_path: str, batch_size: int, steps: int, seed: int) -> list[float]:
+    """One rank of an ssdsl ``dp`` run, through the same pieces as ``ssdsl run``.
+
+    The timed step includes ``get_batch`` of the global batch (the executor slices each rank's
+    rows itself), which the DDP loop does before its clock starts; for the bundled models that
+    costs microseconds.
+    """
+    from ssdsl.runtime.dist import distributed
+    from ssdsl.runtime.executor import RankProgram, create_groups
+    from ssdsl.runtime.job import JobSpec, plan_job
+    from ssdsl.runtime.train import MetricsCollector, OptimizerSpec
+
+    spec = JobSpec(model_path, "dp", batch_size=batch_size, seed=seed)
+    with distributed() as ctx:
+        mf, m, model = plan_job(spec, ctx.world_size)
+        prog = RankProgram(m, ctx.rank, mf, model, dtype=torch.float32,
+                           optimizer=OptimizerSpec("model"), groups=create_groups(m))
+        metrics = MetricsCollector(rank=ctx.rank, samples_per_step=batch_size, device=ctx.device)
+        for step in range(steps):
+            torch.distributed.barrier()
+            metrics.begin()
+            prog.step(step, batch_size)
+            metrics.end(step, loss=None)
+        return [m.step_s for m in metrics.history]
+
+
+def measure_ssdsl(model_path: str, *, nproc: int, batch_size: int, steps: int, seed: int
+                  ) -> list[float]:
+    """One run of the ssdsl ``dp`` plan: per step, the slowest rank's time."""
+    per_rank = launch("bench_ddp:ssdsl_worker", nproc=nproc,
+                      args=(model_path, batch_size, steps, seed), timeout_s=600)
+    return [max(times) for times in zip(*per_rank)]
+
+
+MEASUREMENTS: dict[str, Measurement] = {"ddp": measure_ddp, "ssdsl_dp": measure_ssdsl}
 
 
 def run_benchmark(model_path: str, *, names: list[str], nproc: int, batch_size: int, steps: int,
@@ -102,6 +136,9 @@ def run_benchmark(model_path: str, *, names: list[str], nproc: int, batch_size: 
         median = statistics.median(run_medians)
         results[name] = {"median_step_s": median, "samples_per_s": batch_size / median,
                          "run_median_step_s": run_medians}
+    if {"ddp", "ssdsl_dp"} <= results.keys():
+        results["ratio_ssdsl_over_ddp"] = (results["ssdsl_dp"]["median_step_s"]
+                                           / results["ddp"]["median_step_s"])
     return {"model": model_path, "nproc": nproc, "batch_size": batch_size, "steps": steps,
             "warmup": warmup, "runs": runs, "backend": "gloo", "torch": torch.__version__,
             "machine": platform.machine(), "results": results}
