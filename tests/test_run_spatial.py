@@ -65,3 +65,28 @@ def test_bad_plan_fails_before_launch_with_location(capsys):
 def test_bad_flag_is_a_usage_error(capsys):
     assert main(["run", MLP, "dp", "--steps", "0"]) == 2
     assert "--steps must be at least 1" in capsys.readouterr().err
+
+
+def test_save_writes_a_single_device_state_dict_and_never_overwrites(capsys, tmp_path):
+    """The saved, merged parameters load into the plain model and equal the reference's."""
+    import torch
+
+    from ssdsl.runtime.reference import run_reference
+    from ssdsl.runtime.train import OptimizerSpec
+    from ssdsl.trace.model_file import load_model_file
+
+    out = tmp_path / "final.pt"
+    assert main(["run", GPT, "megatron_tp", "--nproc", "2", "--steps", "2", *EXACT,
+                 "--save", str(out)]) == 0
+    saved = torch.load(out)
+    mf = load_model_file(GPT)
+    ref = run_reference(mf, steps=2, dtype=torch.float64, optimizer=OptimizerSpec("sgd"))
+    model = mf.build(seed=0).double()
+    model.load_state_dict(saved, strict=False)  # tied lm_head/wte saved once
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, ref.final_state[name], rtol=1e-12, atol=1e-12)
+    capsys.readouterr()
+    before = out.read_bytes()
+    assert main(["run", GPT, "dp", "--nproc", "2", "--steps", "1", "--save", str(out)]) == 2
+    assert "does not overwrite" in capsys.readouterr().err
+    assert out.read_bytes() == before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -30,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--check", action="store_true",
                    help="also train the single-device reference and compare")
     p.add_argument("--json", action="store_true", help="print a machine-readable result")
+    p.add_argument("--save", metavar="FILE", default=None,
+                   help="write the final parameters, merged into one single-device state dict "
+                   "(torch.save), atomically; an existing FILE is never overwritten")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is ended")
     p.set_defaults(func=run)
 
@@ -54,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+    if args.save and Path(args.save).exists():
+        raise UsageError(f"--save: {args.save} exists; ssdsl does not overwrite files",
+                         hint="choose a new file name or remove the old one")
     spec = JobSpec(args.model, args.plan, _sets(args.set), args.steps, args.batch_size,
                    args.seed, args.dtype, args.optimizer, args.lr)
     if under_torchrun():
@@ -67,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         # with its location and exit status 2, instead of in N processes after they started.
         plan_job(spec, nproc)
         result = launch(rank_main, nproc=nproc, args=(spec,), timeout_s=args.timeout)[0]
+    if args.save:
+        save_atomically(result["params"], Path(args.save))
     console = Console(file=sys.stdout, soft_wrap=True)
     verdict = None
     if args.check:
@@ -104,6 +113,30 @@ def run(args: argparse.Namespace) -> int:
         if verdict is not None:
             console.print(verdict.summary())
     return 0 if verdict is None or verdict.ok else 1
+
+
+def save_atomically(state: dict, path: Path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then link it into place.
+
+    ``os.link`` fails when ``path`` appeared meanwhile, so a file created by someone else between
+    the check and the write is not replaced either.
+    """
+    import os
+    import tempfile
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise UsageError(f"--save: {path} appeared while training; it was not overwritten",
+                             hint=f"the parameters were not saved") from None
+    finally:
+        os.unlink(tmp)
 
 
 def _asdict(r) -> dict:
