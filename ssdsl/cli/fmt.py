@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ssdsl.elaborate import find_plan
+from ssdsl.errors import UsageError
 from ssdsl.elaborate.loader import display_name
 from ssdsl.errors import ErrorCollector, SsdslError
 from ssdsl.parse.format import format_text
@@ -31,6 +32,11 @@ def run(args: argparse.Namespace) -> int:
     for ref in args.plans:
         with errors.catch():
             path = find_plan(ref)
+            if not args.check and not Path(ref).is_file():
+                raise UsageError(f"'{ref}' is a stdlib plan, not a file: fmt rewrites files in "
+                                 "place and does not change the installed stdlib",
+                                 hint=f"use `ssdsl fmt --check {ref}`, or copy {path} and "
+                                 "format the copy")
             if _format_one(path, check=args.check):
                 changed.append(display_name(path))
     for name in changed:

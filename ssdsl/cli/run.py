@@ -10,7 +10,6 @@ import torch
 from rich.console import Console
 
 from ssdsl.errors import UsageError
-from ssdsl.runtime.job import DTYPES, JobSpec, plan_job, rank_main
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="a plan parameter")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--optimizer", choices=("model", "sgd", "adamw"), default="model")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--check", action="store_true",
@@ -49,6 +48,8 @@ def _sets(items: list[str]) -> tuple[tuple[str, str], ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: the runtime pulls in torch.distributed, which other commands do not need.
+    from ssdsl.runtime.job import DTYPES, JobSpec, plan_job, rank_main
     from ssdsl.runtime.launch import launch, under_torchrun
     from ssdsl.runtime.reference import compare_runs, run_reference, tolerance_for, RunRecord
     from ssdsl.runtime.train import OptimizerSpec
