@@ -60,6 +60,8 @@ class Materialized:
         converter=MappingProxyType)
     reducer: GradReducer
     dtype: torch.dtype
+    # The pipeline schedule (an ``ssdsl.schedule.lower.Lowered``), None for one stage.
+    schedule: Any = None
 
     def part_on(self, op: str, device: int) -> Part | None:
         for p in self.transformed.parts[op]:
@@ -71,20 +73,22 @@ class Materialized:
         """Collectives per step: ``{kind: {"count": n, "bytes": b}}``, forward, backward, reducer."""
         table: dict[str, dict[str, dict[str, int]]] = {"forward": {}, "backward": {},
                                                         "gradients": {}}
+        times = self.transformed.microbatches  # every micro-batch runs every edge's adapter
         for e in self.edges.values():
-            _add(table["forward"], e.adapter.accounting())
+            _add(table["forward"], e.adapter.accounting(), times)
             if e.adapter.backward is not None:
-                _add(table["backward"], e.adapter.backward.accounting())
+                _add(table["backward"], e.adapter.backward.accounting(), times)
         _add(table["gradients"], self.reducer.accounting())
         total = sum(v["bytes"] for section in table.values() for v in section.values())
         return {**table, "total_bytes": total}
 
 
-def _add(into: dict[str, dict[str, int]], acc: Mapping[str, tuple[int, int]]) -> None:
+def _add(into: dict[str, dict[str, int]], acc: Mapping[str, tuple[int, int]],
+         times: int = 1) -> None:
     for kind, (count, nbytes) in acc.items():
         slot = into.setdefault(kind, {"count": 0, "bytes": 0})
-        slot["count"] += count
-        slot["bytes"] += nbytes
+        slot["count"] += count * times
+        slot["bytes"] += nbytes * times
 
 
 def source_names(t: Transformed) -> set[str]:
@@ -92,8 +96,13 @@ def source_names(t: Transformed) -> set[str]:
     return {*g.inputs, *g.params, *g.buffers, *g.constants}
 
 
-def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32) -> Materialized:
-    """Adapters for every produced tensor's uses, source uses, and the weight-gradient reducer."""
+def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
+                schedule: Any = None) -> Materialized:
+    """Adapters for every produced tensor's uses, source uses, and the weight-gradient reducer.
+
+    With micro-batches, ``t``'s parts are one micro-batch's (local coordinates): the adapters are
+    planned once and every micro-batch runs them. ``schedule`` is passed through to the runtime.
+    """
     _check_one_part_per_device(t)
     g = t.graph
     sources = source_names(t)
@@ -113,11 +122,11 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32) -> Materi
     weights, scales = _weights(t, reads, dtype)
     uses = {key: SourceUse(key[0], _region(t, key[0], p.sub.inputs[key[2]]), scales.get(key, 1.0))
             for key, p in reads.items()}
-    return Materialized(t, edges, uses, plan_grad_reducer(weights), dtype)
+    return Materialized(t, edges, uses, plan_grad_reducer(weights), dtype, schedule)
 
 
 def _region(t: Transformed, tensor: str, intervals, part: tuple[int, int] = (0, 1)) -> Region:
-    return Region(tuple(t.graph.tensors[tensor].shape), tuple(intervals), part=part)
+    return Region(t.shape(tensor), tuple(intervals), part=part)
 
 
 def _edge_adapter(t: Transformed, producer_op, tensor: str, readers: list[Part], slot: int,
@@ -129,8 +138,11 @@ def _edge_adapter(t: Transformed, producer_op, tensor: str, readers: list[Part],
     consumers = [(c.device, _region(t, tensor, c.sub.inputs[slot])) for c in readers]
     grads = [(c.device, _region(t, tensor, c.sub.inputs[slot], t.grad_value_part(c, slot)))
              for c in readers]
-    shape = t.graph.tensors[tensor].shape
-    return plan_adapter(shape, dtype, producers, consumers, grad_consumers=grads)
+    # Integer tensors (token ids, targets) cross devices as they are; floats in the run's dtype.
+    declared = getattr(torch, t.graph.tensors[tensor].dtype.removeprefix("torch."), dtype)
+    if isinstance(declared, torch.dtype) and not declared.is_floating_point:
+        dtype = declared
+    return plan_adapter(t.shape(tensor), dtype, producers, consumers, grad_consumers=grads)
 
 
 def _replicas(t: Transformed, part: Part, slot: int) -> int:
@@ -165,7 +177,7 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int], Part],
         for device, sig in sorted(by_device.items()):
             classes.setdefault(tuple(sorted(sig)), []).append(device)
         sizes = {len(c) for c in classes.values()}
-        shape = tuple(t.graph.tensors[name].shape)
+        shape = t.shape(name)
         if len(sizes) == 1:
             for i in range(sizes.pop()):
                 group = tuple((c[i], region) for c in classes.values())

@@ -112,37 +112,58 @@ def _slot_regions(placements, rank: int):
     return [reg for dev, reg in placements if dev == rank]
 
 
+# Sends never block (the checker's ASYNC model: 1F1B deadlocks with blocking sends); their requests
+# wait here, with the buffers they read, until ``wait_sends`` (at the latest when a step ends).
+_PENDING_SENDS: list[tuple[object, torch.Tensor]] = []
+# Messages of one step get tags ``tag * 2 * TAG_STRIDE + direction * TAG_STRIDE + index``: a
+# caller's ``tag`` (one per adapter and micro-batch) keeps messages in flight at the same time
+# from matching each other's receives.
+TAG_STRIDE = 4096
+
+
+def wait_sends() -> int:
+    """Wait for every send still in flight; returns how many there were."""
+    n = len(_PENDING_SENDS)
+    for req, _buf in _PENDING_SENDS:
+        req.wait()
+    _PENDING_SENDS.clear()
+    return n
+
+
 def _run_p2p(step: PointToPoint, rank: int, held: list[torch.Tensor],
-             like: torch.Tensor) -> list[torch.Tensor]:
+             like: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
     src_regions = _slot_regions(step.sources, rank)
     dst_regions = _slot_regions(step.targets, rank)
     outs = [torch.zeros(r.local_shape, dtype=like.dtype, device=like.device) for r in dst_regions]
-    ops, recvs = [], []
-    for tag, msg in enumerate(step.messages):
+    if len(step.messages) > TAG_STRIDE:
+        raise ValueError(f"a point-to-point step of {len(step.messages)} messages (at most "
+                         f"{TAG_STRIDE})")
+    recvs = []
+    for i, msg in enumerate(step.messages):
         if msg.src == rank and msg.dst == rank:
             piece = src_regions[msg.src_slot].extract(held[msg.src_slot], msg.region)
             dst_regions[msg.dst_slot].add_into(outs[msg.dst_slot], msg.region, piece)
         elif msg.src == rank:
             piece = src_regions[msg.src_slot].extract(held[msg.src_slot], msg.region).contiguous()
-            ops.append(dist.P2POp(dist.isend, piece, msg.dst, tag=tag))
+            _PENDING_SENDS.append((dist.isend(piece, msg.dst, tag=tag + i), piece))
         elif msg.dst == rank:
             buf = torch.empty(msg.region.local_shape, dtype=like.dtype, device=like.device)
-            ops.append(dist.P2POp(dist.irecv, buf, msg.src, tag=tag))
-            recvs.append((msg, buf))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    for msg, buf in recvs:
+            recvs.append((msg, buf, dist.irecv(buf, msg.src, tag=tag + i)))
+    for msg, buf, req in recvs:
+        req.wait()
         dst_regions[msg.dst_slot].add_into(outs[msg.dst_slot], msg.region, buf)
     return outs
 
 
 def run_steps(steps: Sequence[Step], rank: int, held: list[torch.Tensor], *,
-              like: torch.Tensor, groups: ProcessGroups | None = None) -> list[torch.Tensor]:
-    """Run ``steps`` for ``rank`` (no autograd): ``held`` are its slots before, the result after."""
+              like: torch.Tensor, groups: ProcessGroups | None = None,
+              tag: int = 0) -> list[torch.Tensor]:
+    """Run ``steps`` for ``rank`` (no autograd): ``held`` are its slots before, the result after.
+
+    ``tag``: the first message tag of point-to-point steps (see ``TAG_STRIDE``)."""
     for step in steps:
         if isinstance(step, PointToPoint):
-            held = _run_p2p(step, rank, held, like)
+            held = _run_p2p(step, rank, held, like, tag)
         elif held:
             held = [_run_collective(step, rank, held[0], groups)]
     return held
@@ -153,10 +174,12 @@ def run_steps(steps: Sequence[Step], rank: int, held: list[torch.Tensor], *,
 
 class _AdapterFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, adapter: Adapter, rank: int, groups, like: torch.Tensor, *inputs):
+    def forward(ctx, adapter: Adapter, rank: int, groups, tag: int, like: torch.Tensor, *inputs):
         ctx.adapter, ctx.rank, ctx.groups, ctx.n_in = adapter, rank, groups, len(inputs)
+        ctx.tag = tag
         ctx.like = torch.empty(0, dtype=like.dtype, device=like.device)
-        outs = run_steps(adapter.steps, rank, list(inputs), like=like, groups=groups)
+        outs = run_steps(adapter.steps, rank, list(inputs), like=like, groups=groups,
+                         tag=_tag(tag, 0))
         ctx.out_shapes = [tuple(o.shape) for o in outs]
         return tuple(outs) if outs else (like.new_empty(0),)
 
@@ -167,13 +190,19 @@ class _AdapterFunction(torch.autograd.Function):
             raise RuntimeError("this adapter was planned without a backward (backward=False)")
         held = [g if g is not None else ctx.like.new_zeros(s)
                 for g, s in zip(grads, ctx.out_shapes)]
-        res = run_steps(back.steps, ctx.rank, held, like=ctx.like, groups=ctx.groups)
+        res = run_steps(back.steps, ctx.rank, held, like=ctx.like, groups=ctx.groups,
+                        tag=_tag(ctx.tag, 1))
         res = list(res) + [None] * (ctx.n_in - len(res))
-        return (None, None, None, None, *res[: ctx.n_in])
+        return (None, None, None, None, None, *res[: ctx.n_in])
+
+
+def _tag(tag: int, direction: int) -> int:
+    return (2 * tag + direction) * TAG_STRIDE
 
 
 def run_adapter(adapter: Adapter, rank: int, local: Local, *,
-                groups: ProcessGroups | None = None) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+                groups: ProcessGroups | None = None,
+                tag: int = 0) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
     """Run ``adapter`` for ``rank`` on torch.distributed; differentiable.
 
     ``local``: this rank's producer tensors (one per producer placement on it, in order; a
@@ -181,19 +210,22 @@ def run_adapter(adapter: Adapter, rank: int, local: Local, *,
     likewise; a rank that only produces gets an empty *token* tensor, which the caller must
     include in its backward (``torch.autograd.backward([token], [token.new_empty(0)])``) so that
     the gradients sent to it are received; ``None`` for a rank outside the adapter. Every rank of
-    the adapter must call this, in the same order relative to other adapters.
+    the adapter must call this, in the same order relative to other adapters' collectives.
+    ``tag`` tells apart the messages of adapters in flight at once (pipelines: one per edge and
+    micro-batch); sends return at once and complete by ``wait_sends``.
     """
     if rank not in adapter.devices:
         return None
     inputs = [] if local is None else [local] if isinstance(local, torch.Tensor) else list(local)
-    like = inputs[0] if inputs else torch.empty(0, dtype=adapter.dtype, requires_grad=True)
+    like = inputs[0] if inputs else torch.empty(
+        0, dtype=adapter.dtype, requires_grad=adapter.dtype.is_floating_point)
     args = inputs if inputs else [like]
     n_out = sum(1 for d, _ in adapter.consumers if d == rank)
     if not inputs:
         # a consumer-only rank: the token input makes autograd call our backward (it sends grads)
-        outs = _ConsumerOnly.apply(adapter, rank, groups, like)
+        outs = _ConsumerOnly.apply(adapter, rank, groups, tag, like)
     else:
-        outs = _AdapterFunction.apply(adapter, rank, groups, like.detach(), *args)
+        outs = _AdapterFunction.apply(adapter, rank, groups, tag, like.detach(), *args)
     outs = outs if isinstance(outs, tuple) else (outs,)
     if n_out == 1:
         return outs[0]
@@ -202,9 +234,9 @@ def run_adapter(adapter: Adapter, rank: int, local: Local, *,
 
 class _ConsumerOnly(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, adapter: Adapter, rank: int, groups, token: torch.Tensor):
-        ctx.adapter, ctx.rank, ctx.groups = adapter, rank, groups
-        outs = run_steps(adapter.steps, rank, [], like=token, groups=groups)
+    def forward(ctx, adapter: Adapter, rank: int, groups, tag: int, token: torch.Tensor):
+        ctx.adapter, ctx.rank, ctx.groups, ctx.tag = adapter, rank, groups, tag
+        outs = run_steps(adapter.steps, rank, [], like=token, groups=groups, tag=_tag(tag, 0))
         ctx.out_shapes = [tuple(o.shape) for o in outs]
         ctx.dtype = token.dtype
         return tuple(outs)
@@ -213,8 +245,9 @@ class _ConsumerOnly(torch.autograd.Function):
     def backward(ctx, *grads):
         held = [g if g is not None else torch.zeros(s, dtype=ctx.dtype)
                 for g, s in zip(grads, ctx.out_shapes)]
-        run_steps(ctx.adapter.backward.steps, ctx.rank, held, like=held[0], groups=ctx.groups)
-        return None, None, None, torch.zeros(0, dtype=ctx.dtype)
+        run_steps(ctx.adapter.backward.steps, ctx.rank, held, like=held[0], groups=ctx.groups,
+                  tag=_tag(ctx.tag, 1))
+        return None, None, None, None, torch.zeros(0, dtype=ctx.dtype)
 
 
 # -- simulation of every rank in one process (the verifier) -------------------------------------

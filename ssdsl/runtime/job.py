@@ -13,15 +13,18 @@ from typing import Any
 import attrs
 import torch
 
+from ssdsl.check import check_schedule
 from ssdsl.elaborate import elaborate_file
 from ssdsl.materialize.program import Materialized, materialize
 from ssdsl.runtime import dist as sdist
 from ssdsl.runtime.executor import RankProgram, assemble, create_groups
 from ssdsl.runtime.launch import report_event
 from ssdsl.runtime.train import MetricsCollector, OptimizerSpec
+from ssdsl.schedule.lower import Lowered
+from ssdsl.schedule.resolve import resolve_pipeline
 from ssdsl.trace.export import trace
 from ssdsl.trace.model_file import load_model_file
-from ssdsl.transform import transform
+from ssdsl.transform import Transformed, transform
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -48,7 +51,26 @@ def plan_job(spec: JobSpec, world: int) -> tuple[Any, Materialized, torch.nn.Mod
     model = mf.build(seed=spec.seed).to(dtype=dtype)
     graph = trace(mf, device="cpu", batch_size=spec.batch_size, model=model)
     plan = elaborate_file(spec.plan, world=world, sets=dict(spec.sets))
-    return mf, materialize(transform(graph, plan), dtype=dtype), model
+    t, lowered = schedule_plan(graph, plan)
+    return mf, materialize(t, dtype=dtype, schedule=lowered), model
+
+
+def schedule_plan(graph: Any, plan: Any) -> tuple[Transformed, Lowered | None]:
+    """Transform, place stages, split micro-batches, lower and CHECK the schedule (phases 4-6)."""
+    t, lowered = resolve_pipeline(transform(graph, plan))
+    if lowered is not None:
+        check_schedule(lowered.schedule)
+    return t, lowered
+
+
+def preflight(spec: JobSpec, world: int) -> None:
+    """Plan the job on the meta device, without launching: a plan that cannot run (a wrong
+    schedule, a bad selector) raises its error here, in the launching process."""
+    mf = load_model_file(spec.model)
+    graph = trace(mf, device="meta", batch_size=spec.batch_size)
+    plan = elaborate_file(spec.plan, world=world, sets=dict(spec.sets))
+    t, lowered = schedule_plan(graph, plan)
+    materialize(t, dtype=DTYPES[spec.dtype], schedule=lowered)
 
 
 def rank_main(spec: JobSpec) -> dict[str, Any] | None:

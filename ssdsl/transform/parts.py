@@ -77,6 +77,29 @@ class Transformed:
     world: int
     deferred: tuple[Any, ...] = ()
     notes: tuple[str, ...] = ()
+    # Pipelines (set by ``ssdsl.schedule.resolve``): the stage of every operator (empty: one
+    # stage), and the micro-batch count. With micro-batches, ``parts`` are the parts of ONE
+    # micro-batch in micro-batch-local coordinates: ``shapes`` overrides the logical shape of
+    # every tensor the batch split narrows, and ``input_boxes[name][k]`` is the region of graph
+    # input ``name`` that micro-batch k reads (every micro-batch runs the same parts on it).
+    stage_of: Mapping[str, int] = attrs.field(converter=MappingProxyType, factory=dict)
+    microbatches: int = 1
+    shapes: Mapping[str, tuple[int, ...]] = attrs.field(converter=MappingProxyType, factory=dict)
+    input_boxes: Mapping[str, tuple[Any, ...]] = attrs.field(converter=MappingProxyType,
+                                                             factory=dict)
+
+    def shape(self, tensor: str) -> tuple[int, ...]:
+        """The logical shape of ``tensor`` as the parts see it (one micro-batch's, if split)."""
+        found = self.shapes.get(tensor)
+        return found if found is not None else tuple(self.graph.tensors[tensor].shape)
+
+    def stage(self, op: str) -> int:
+        """The pipeline stage of operator ``op`` (0 without stages)."""
+        return self.stage_of.get(op, 0)
+
+    @property
+    def num_stages(self) -> int:
+        return max(self.stage_of.values(), default=0) + 1
 
     def label_sizes(self, op: str) -> dict[str, int]:
         ann = self.annotations[op]

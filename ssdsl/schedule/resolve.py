@@ -1,0 +1,125 @@
+"""From a transformed graph and its deferred directives to a placed, micro-batched pipeline.
+
+``resolve_pipeline(t)`` does what ``transform`` left for this phase:
+
+1. ``stages ... as st`` becomes a stage number per operator: contiguous segments of the graph's
+   (topological) operator order, chosen by selectors or balanced by estimated cost
+   (``op_cost``: the size of an operator's iteration space, i.e. multiply-adds for a matmul, the
+   element count for an elementwise op);
+2. ``assign st[i] to devices G`` places every part of stage i's operators, exactly as an
+   ``assign`` of those operators would (one part per device of G, row-major);
+3. ``microbatch along batch into M`` splits every part in time (``ssdsl.transform.microbatch``);
+4. the order directives are lowered (``lower_schedule``) with the stage DAG of the graph: stage a
+   feeds stage b when an operator of b reads a tensor an operator of a produces (skip edges too).
+
+The result is not checked here: ``ssdsl.check.check_schedule`` runs on ``Lowered.schedule``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from ssdsl.elaborate.directives import Assign, Microbatch, Stages, StageRef
+from ssdsl.ir.graph import Op
+from ssdsl.ops import Annotation
+from ssdsl.schedule.lower import LowerError, Lowered, SeveralPipelines, lower_schedule
+from ssdsl.schedule.stages import balance_stages
+from ssdsl.transform.apply import assign_ops, check_placed
+from ssdsl.transform.microbatch import split_microbatches
+from ssdsl.transform.parts import Transformed
+from ssdsl.transform.select import part_prefix, select_ops
+
+
+class StagesNotContiguous(LowerError):
+    """Stage selectors do not cut the operator order into contiguous segments."""
+
+
+class TooManyStages(LowerError):
+    """More stages than operators."""
+
+
+def op_cost(t: Transformed, op: Op) -> float:
+    """Estimated work of ``op``: its iteration space (labels' product), else its output size."""
+    ann = t.annotations[op.name]
+    if isinstance(ann, Annotation) and ann.sizes():
+        return float(math.prod(ann.sizes().values()))
+    return float(sum(t.graph.tensors[x].numel for x in op.outputs))
+
+
+def stage_map(t: Transformed, st: Stages) -> dict[str, int]:
+    """The stage of every operator under ``st`` (see the module doc)."""
+    names = [op.name for op in t.graph.ops]
+    if st.selectors:
+        return _by_selectors(t, st)
+    if st.count > len(names):
+        raise TooManyStages(f"{st.count} stages but the model has only {len(names)} operators",
+                            st.span, hint="ask for fewer stages")
+    costs = [op_cost(t, op) for op in t.graph.ops]
+    ranges = balance_stages(costs, st.count)
+    return {names[i]: s for s, r in enumerate(ranges) for i in r}
+
+
+def _by_selectors(t: Transformed, st: Stages) -> dict[str, int]:
+    chosen: dict[str, int] = {}
+    for s, sel in enumerate(st.selectors):
+        for name in select_ops(t.graph, sel, st.span):
+            chosen.setdefault(name, s)
+    out: dict[str, int] = {}
+    current = 0
+    for op in t.graph.ops:  # an unselected operator joins the stage of the operator before it
+        s = chosen.get(op.name, current)
+        if s < current:
+            raise StagesNotContiguous(
+                f"operator '{op.name}' (in '{op.module or '<top>'}') is selected by stage {s} "
+                f"but comes after operators of stage {current}: stages must be contiguous",
+                st.span, hint="select consecutive operators for each stage, in model order")
+        out[op.name] = current = s
+    return out
+
+
+def stage_edges(t: Transformed) -> list[tuple[int, int]]:
+    """``(a, b)`` for every stage a whose output a later stage b reads."""
+    producer = {x: op.name for op in t.graph.ops for x in op.outputs}
+    edges = set()
+    for op in t.graph.ops:
+        for x in op.inputs:
+            if x in producer:
+                a, b = t.stage(producer[x]), t.stage(op.name)
+                if a != b:
+                    edges.add((min(a, b), max(a, b)))
+    return sorted(edges)
+
+
+def _stage_assigns(t: Transformed, st: Stages, stage_of: dict[str, int]):
+    by_stage: dict[int, list[str]] = {}
+    for name, s in stage_of.items():
+        by_stage.setdefault(s, []).append(name)
+    out = []
+    for d in t.deferred:
+        if isinstance(d, Assign):
+            _, base = part_prefix(d.selector)
+            if isinstance(base, StageRef) and base.group == st.name \
+                    and 0 <= base.index < st.count:
+                out.append((by_stage.get(base.index, []), d))
+    return out
+
+
+def resolve_pipeline(t: Transformed) -> tuple[Transformed, Lowered | None]:
+    """Stages placed, micro-batches split, and the schedule lowered (None without ``stages``)."""
+    found = [d for d in t.deferred if isinstance(d, Stages)]
+    if len(found) > 1:
+        raise SeveralPipelines("a second 'stages' statement; a plan has one pipeline",
+                               found[1].span, hint=f"the first is at {found[0].span}")
+    lowered = None
+    if found:
+        st = found[0]
+        stage_of = stage_map(t, st)
+        t = attrs.evolve(assign_ops(t, _stage_assigns(t, st, stage_of)), stage_of=stage_of)
+        lowered = lower_schedule(t.deferred, edges=stage_edges(t))
+    check_placed(t)
+    mbs = [d for d in t.deferred if isinstance(d, Microbatch)]
+    if mbs:
+        t = split_microbatches(t, mbs[-1])
+    return t, lowered

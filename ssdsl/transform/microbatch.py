@@ -1,0 +1,199 @@
+"""Micro-batches: a partition in time along the batch, localized to one micro-batch.
+
+``microbatch along batch into M`` splits every part of every operator along the batch, exactly as
+``partition all along batch into M`` would (the same labels, the same value scaling of a mean:
+each micro-batch's loss is its share of the batch loss, so micro-batch losses sum to the batch
+loss and gradients accumulated in the weights' ``.grad`` are the batch's). The M copies run one
+after another on the same devices instead of side by side.
+
+Every micro-batch then runs the same parts on its own slice of the batch: the parts of micro-batch
+k, with every region shifted to the box that micro-batch k covers in each tensor, equal those of
+micro-batch 0. ``split_microbatches`` checks that and returns micro-batch 0's parts in those local
+coordinates, with the local shapes and each graph input's box per micro-batch, so the later phases
+plan communication once, on a graph whose batch is one micro-batch.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ssdsl.elaborate.directives import Microbatch
+from ssdsl.errors import SsdslError
+from ssdsl.ir.region import Region
+from ssdsl.ops import Annotation, call_of
+from ssdsl.transform.apply import _Builder, _at, _indivisible
+from ssdsl.transform.errors import MissingDim, TransformError
+from ssdsl.transform.parts import Part, Transformed, split_ranges
+
+Box = tuple[tuple[tuple[int, int], ...], ...]  # per dim, disjoint sorted intervals
+
+
+class NotMicrobatchable(TransformError):
+    """An operator reduces over the batch and its result is used by other operators (a batch
+    norm's statistics): micro-batches would each see only their own share."""
+
+
+class UnevenMicrobatches(TransformError):
+    """Micro-batches would run different sub-operators (the batch does not split evenly)."""
+
+
+def split_microbatches(t: Transformed, d: Microbatch) -> Transformed:
+    """``t`` split in time into ``d.count`` micro-batches along ``d.dim`` (see the module doc)."""
+    if d.count == 1:
+        return attrs.evolve(t, microbatches=1)
+    per_mb = _split(t, d)
+    boxes = [_boxes(t, mb) for mb in per_mb]
+    local = [_localize(t, mb, bx) for mb, bx in zip(per_mb, boxes)]
+    for k in range(1, d.count):
+        _check_same(local[0], local[k], k, d)
+        if _sizes(boxes[k]) != _sizes(boxes[0]):
+            raise UnevenMicrobatches(f"micro-batch {k} covers a differently shaped slice of the "
+                                     "tensors than micro-batch 0", d.span)
+    sizes = _sizes(boxes[0])
+    shapes = {name: s for name, s in sizes.items() if s != tuple(t.graph.tensors[name].shape)}
+    inputs = {name: tuple(Region(t.graph.tensors[name].shape, bx[name]) for bx in boxes)
+              for name in t.graph.inputs if name in boxes[0]}
+    return attrs.evolve(t, parts={op: tuple(ps) for op, ps in local[0].items()},
+                        microbatches=d.count, shapes=shapes, input_boxes=inputs)
+
+
+def _split(t: Transformed, d: Microbatch) -> list[dict[str, list[Part]]]:
+    """The parts of each micro-batch, in full coordinates."""
+    b = _Builder(t.graph, t.world, start=t)
+    consumed = {name for op in t.graph.ops for name in op.inputs}
+    flowing: dict[str, int] = {}
+    out: list[dict[str, list[Part]]] = [{} for _ in range(d.count)]
+    found = False
+    for op in t.graph.ops:
+        label = b._label(op.name, d.dim) or b._follow(op.name, flowing)
+        if label is not None:
+            found = True
+            b._record(op.name, label, flowing)
+        for part in t.parts[op.name]:
+            pieces = _pieces(t, b, part, label, d)
+            if any(len(p.sub.value) > len(part.sub.value) for p in pieces) \
+                    and any(x in consumed for x in op.outputs):
+                raise NotMicrobatchable(
+                    f"operator '{op.name}' ({op.kind}, in '{op.module or '<top>'}') reduces over "
+                    f"'{d.dim}' and its result is used by later operators: each micro-batch would "
+                    f"see only its share", d.span,
+                    hint="micro-batch a model whose only reduction over the batch is the loss")
+            for k, piece in enumerate(pieces):
+                out[k].setdefault(op.name, []).append(piece)
+    if not found:
+        raise MissingDim(f"no operator has a dim '{d.dim}' to split into micro-batches", d.span,
+                         hint="`ssdsl trace MODEL` shows the flowing dims (usually 'batch')")
+    return out
+
+
+def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Microbatch
+            ) -> list[Part]:
+    if label is None:  # no batch here (position embeddings): every micro-batch recomputes it
+        return [part] * d.count
+    ann = t.annotations[part.op]
+    assert isinstance(ann, Annotation)
+    size = ann.sizes()[label]
+    ranges = split_ranges(dict(part.ranges), label, size, d.count)
+    if ranges is None:
+        start, stop = dict(part.ranges).get(label, (0, size))
+        raise _indivisible(t.graph.op(part.op), label, stop - start, d.count, d.span)
+    call = call_of(t.graph, t.graph.op(part.op))
+    out = []
+    for r in ranges:
+        try:
+            sub = ann.partition(call, r)
+        except SsdslError as err:
+            raise _at(err, d.span) from None
+        out.append(attrs.evolve(part, ranges=tuple(sorted(r.items())), sub=sub))
+    return out
+
+
+def _regions(t: Transformed, parts: dict[str, list[Part]]):
+    """Every (tensor, intervals) that a part of one micro-batch reads or writes."""
+    for op in t.graph.ops:
+        for p in parts[op.name]:
+            for name, ivs in zip(op.inputs, p.sub.inputs):
+                if ivs is not None:
+                    yield name, ivs
+            for name, ivs in zip(op.outputs, p.sub.outputs):
+                yield name, ivs
+
+
+def _boxes(t: Transformed, parts: dict[str, list[Part]]) -> dict[str, Box]:
+    """Per tensor and dim, the union of the intervals one micro-batch's parts touch.
+
+    Local coordinates number the positions of that union in order: with dp x micro-batches,
+    micro-batch 0 holds rows {0, 4} of an 8-row batch, which become local rows {0, 1}.
+    """
+    seen: dict[str, list[list[tuple[int, int]]]] = {}
+    for name, ivs in _regions(t, parts):
+        dims = seen.setdefault(name, [[] for _ in ivs])
+        for into, d in zip(dims, ivs):
+            into.extend(d)
+    g = t.graph
+    fixed = {*g.params, *g.buffers, *g.constants}  # weights keep their coordinates
+    return {name: tuple(((0, s),) for s in g.tensors[name].shape) if name in fixed
+            else tuple(_merge(d) for d in dims) for name, dims in seen.items()}
+
+
+def _merge(intervals: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[list[int]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
+
+
+def _to_local(ivs, union) -> tuple[tuple[int, int], ...]:
+    """``ivs`` (inside ``union``) renumbered by position within ``union``."""
+    out = []
+    for a, b in ivs:
+        offset = 0
+        for lo, hi in union:
+            if lo <= a and b <= hi:
+                out.append((offset + a - lo, offset + b - lo))
+                break
+            offset += hi - lo
+    return tuple(out)
+
+
+def _shift(ivs, box: Box):
+    return tuple(_to_local(d, u) for d, u in zip(ivs, box))
+
+
+def _localize(t: Transformed, parts: dict[str, list[Part]], boxes: dict[str, Box]
+              ) -> dict[str, list[Part]]:
+    """Each part's regions shifted to the micro-batch's box (local coordinates)."""
+    out = {}
+    for op in t.graph.ops:
+        local = []
+        for p in parts[op.name]:
+            ins = tuple(None if ivs is None else _shift(ivs, boxes[n])
+                        for n, ivs in zip(op.inputs, p.sub.inputs))
+            outs = tuple(_shift(ivs, boxes[n]) for n, ivs in zip(op.outputs, p.sub.outputs))
+            local.append(attrs.evolve(p, sub=attrs.evolve(p.sub, inputs=ins, outputs=outs)))
+        out[op.name] = local
+    return out
+
+
+def _check_same(first: dict[str, list[Part]], other: dict[str, list[Part]], k: int,
+                d: Microbatch) -> None:
+    for op, ps in first.items():
+        for a, b in zip(ps, other[op]):
+            if _same_shape(a.sub) != _same_shape(b.sub) or a.device != b.device:
+                raise UnevenMicrobatches(
+                    f"micro-batch {k} of operator '{op}' differs from micro-batch 0 (part "
+                    f"{a.index}): the batch does not split into {d.count} equal micro-batches "
+                    "here", d.span, hint="choose a micro-batch count that divides the batch "
+                    "of every part")
+
+
+def _same_shape(sub):
+    """A sub-operator without where its value split lies (micro-batch k holds the k-th share)."""
+    return attrs.evolve(sub, value=tuple((label, b - a) for label, (a, b) in sub.value))
+
+
+def _sizes(boxes: dict[str, Box]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(sum(b - a for a, b in d) for d in box) for name, box in boxes.items()}
