@@ -17,7 +17,6 @@ ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
 MLP = str(ROOT / "examples" / "mlp.py")
 BAD = ROOT / "tests" / "plans" / "transform_bad"
-GPT_SETS: list[str] = []  # the stdlib megatron_tp defaults follow gpt.py's GPT-2 names
 
 
 def run_json(capsys, *argv: str) -> dict:
@@ -26,7 +25,7 @@ def run_json(capsys, *argv: str) -> dict:
 
 
 def test_table_lists_every_operator_with_its_split(capsys) -> None:
-    assert main(["check", GPT, "megatron_tp", "--world", "2", *GPT_SETS]) == 0
+    assert main(["check", GPT, "megatron_tp", "--world", "2"]) == 0
     out = capsys.readouterr().out
     for word in ("name", "kind", "module", "parts", "split dims", "devices"):
         assert word in out
@@ -39,7 +38,7 @@ def test_table_lists_every_operator_with_its_split(capsys) -> None:
 
 
 def test_json_megatron(capsys) -> None:
-    doc = run_json(capsys, GPT, "megatron_tp", "--world", "2", *GPT_SETS)
+    doc = run_json(capsys, GPT, "megatron_tp", "--world", "2")
     assert doc["plan"] == "megatron_tp" and doc["world"] == 2 and doc["devices"] == [0, 1]
     ops = {op["name"]: op for op in doc["ops"]}
     qkv = next(op for op in doc["ops"] if op["module"] == "h.0.attn.c_attn")
@@ -52,6 +51,9 @@ def test_json_megatron(capsys) -> None:
     fc = next(op for op in doc["ops"] if op["module"] == "h.0.mlp.c_fc")
     assert [list(p["ranges"].values()) for p in fc["parts"]] == [[[0, 64]], [[64, 128]]]
     assert ops["layer_norm"]["copies"] == 2 and ops["layer_norm"]["split"] == {}
+    # the GELU between the MLP's linears follows the column split: no copies, one dim in 2
+    gelu = next(op for op in doc["ops"] if op["module"] == "h.0.mlp" and op["kind"] == "gelu")
+    assert gelu["copies"] == 1 and list(gelu["split"].values()) == [2]
     assert all(len(op["parts"]) == 2 and op["devices"] == [0, 1] for op in doc["ops"])
 
 
@@ -70,9 +72,8 @@ def test_json_dp_on_mlp(capsys, world: int) -> None:
 
 
 def test_json_dp_tp_device_is_d_times_tp_plus_t(capsys) -> None:
-    """A 2-D plan (written out for gpt's module names): device of part (d, t) is d * 2 + t."""
-    doc = run_json(capsys, GPT, str(ROOT / "tests" / "plans" / "transform_good" /
-                                    "dp_tp_gpt.ssp"), "--world", "4", "--set", "dp=2")
+    """stdlib dp_tp, dp=2 and tp=2: the part (d, t) is on device d * 2 + t."""
+    doc = run_json(capsys, GPT, "dp_tp", "--world", "4", "--set", "dp=2")
     qkv = next(op for op in doc["ops"] if op["module"] == "h.1.attn.c_attn")
     assert qkv["split"] == {"batch": 2, "heads": 2}
     assert [(p["index"], p["device"]) for p in qkv["parts"]] == \

@@ -28,11 +28,8 @@ from ssdsl.trace.model_file import load_model_file
 from ssdsl.transform import Part, Transformed, transform
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# The stdlib megatron_tp defaults follow gpt.py's GPT-2 / nanoGPT module names.
-GPT_NAMES: dict[str, str] = {}
-# stdlib dp_tp does not forward megatron_tp's module names, so gpt gets the same plan with them.
+# hand-written plans beside the stdlib ones (whose defaults fit gpt.py's GPT-2 module names)
 GOOD = Path(__file__).resolve().parent / "plans" / "transform_good"
-DP_TP_GPT = GOOD / "dp_tp_gpt.ssp"
 
 _MODELS: dict[str, tuple[Graph, dict[str, torch.Tensor]]] = {}
 
@@ -66,14 +63,9 @@ def _f64(v):
 
 
 def plan(name: str, world: int, model_name: str):
-    if name == "dp_tp" and model_name == "gpt":
-        return elaborate_file(DP_TP_GPT, world=world, sets={"dp": "2"})
     if (GOOD / f"{name}.ssp").is_file():
         return elaborate_file(GOOD / f"{name}.ssp", world=world)
-    sets = GPT_NAMES if name == "megatron_tp" and model_name == "gpt" else {}
-    if name == "dp_tp":
-        sets = {**sets, "dp": "2"}
-    return elaborate_file(name, world=world, sets=sets)
+    return elaborate_file(name, world=world, sets={"dp": "2"} if name == "dp_tp" else {})
 
 
 _TRANSFORMED: dict[tuple, Transformed] = {}
