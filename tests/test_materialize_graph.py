@@ -172,6 +172,33 @@ def test_megatron_one_all_reduce_per_row_parallel_linear(p: int) -> None:
     assert acc["gradients"] == {}  # every weight is either sharded or a copy on each device
 
 
+def test_dp_tp_volume_is_megatron_per_dp_group_plus_dp_gradient_sums() -> None:
+    s = sizes()
+    dp, tp = 2, 2
+    m = build("dp_tp", dp * tp, dp=dp)
+    acc = m.accounting()
+    act = (s["B"] // dp) * s["T"] * s["C"] * ITEM  # one dp group's activation
+    n_ar = 2 * s["L"] * dp
+    assert acc["forward"] == {"all_reduce": {"count": n_ar, "bytes": n_ar * 2 * (tp - 1) * act}}
+    # backward: Megatron's f in each dp group, and the position embedding's output gradient
+    # summed across the dp groups, once per tp rank
+    wpe_out = 2 * (dp - 1) * s["T"] * s["C"] * ITEM
+    assert acc["backward"] == {"all_reduce": {"count": n_ar + tp,
+                                              "bytes": n_ar * 2 * (tp - 1) * act + tp * wpe_out}}
+    # weights: summed over dp, one bucket per tp rank. A tp rank holds its shard of the split
+    # weights (the row-parallel biases live on tp rank 0 only) and all of the replicated ones
+    # (token embedding / LM head, layer norms), so the tp ranks together hold every weight once
+    # plus tp - 1 more copies of the replicated ones.
+    net = gpt()[2]
+    replicated = net.wte.weight.numel() + sum(
+        p.numel() for mod in net.modules() if isinstance(mod, torch.nn.LayerNorm)
+        for p in mod.parameters())
+    held = (s["params"] - s["wpe"]) + (tp - 1) * replicated
+    assert acc["gradients"] == {"all_reduce": {"count": tp,
+                                               "bytes": 2 * (dp - 1) * held * ITEM}}
+    assert sorted(b.devices for b in m.reducer.buckets) == [(0, 2), (1, 3)]
+
+
 # ------------------------------------------------------------------------------ all-to-all
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -193,11 +220,12 @@ def test_batch_then_seq_split_is_an_all_to_all_not_a_gather(p: int) -> None:
 # ------------------------------------------------------------------------------ the verifier
 
 @pytest.mark.parametrize(("plan", "world"), [("dp", 2), ("megatron_tp", 2), ("megatron_tp", 4),
-                                             (SWAP, 2), (UNEVEN, 3)],
-                         ids=["dp-2", "megatron_tp-2", "megatron_tp-4", "swap-2", "uneven-3"])
+                                             ("dp_tp", 4), (SWAP, 2), (UNEVEN, 3)],
+                         ids=["dp-2", "megatron_tp-2", "megatron_tp-4", "dp_tp-4", "swap-2",
+                              "uneven-3"])
 def test_verifier_passes_and_matches_the_plain_model(plan: str, world: int) -> None:
     mf = gpt()[0]
-    m = build(plan, world)
+    m = build(plan, world, **({"dp": 2} if plan == "dp_tp" else {}))
     verdict = verify_plan(m, model_file=mf, seed=3)
     assert verdict.ok, verdict.problems
     assert verdict.edges_checked == len(m.edges) > 0
