@@ -199,6 +199,7 @@ def simulate_plan(m: Materialized, model_file: ModelFile, *, seed: int = 0,
     ``m.dtype``; the batch is ``get_batch(0, batch_size)``.
     """
     g = m.transformed.graph
+    _check_simulable(m)
     full = _named_values(model_file.build(seed=seed).to(m.dtype), g)
     inputs, target = model_file.get_batch(0, batch_size)
     batch = dict(zip(g.inputs, to_dtype((*inputs, target), m.dtype), strict=True))
@@ -221,6 +222,16 @@ def simulate_plan(m: Materialized, model_file: ModelFile, *, seed: int = 0,
             env.setdefault(dev, {}).update(zip(op.outputs, _run_part(op, p, local[dev]),
                                                strict=True))
     return _backward_and_reduce(m, env, leaves)
+
+
+def _check_simulable(m: Materialized) -> None:
+    if getattr(m, "schedule", None) is not None:
+        raise ValueError("simulate_plan runs one-stage plans without micro-batches only")
+    meta = torch.device("meta")
+    for op in m.transformed.graph.ops:
+        if any(v == meta for _, v in op.kwargs):
+            raise ValueError(f"operator '{op.name}' was traced on the meta device; trace with "
+                             "device='cpu' to simulate the graph on real tensors")
 
 
 def _run_edge(edge: Edge, env: Mapping[int, Mapping[str, torch.Tensor]]
@@ -324,7 +335,9 @@ def _ref_grad(g, ref_grads: Mapping[str, torch.Tensor], name: str) -> torch.Tens
 def verify_plan(m: Materialized, *, seed: int = 0, model_file: ModelFile | None = None
                 ) -> PlanVerdict:
     """Check every edge (placement, forward, backward) on random data; with ``model_file``, also
-    simulate one whole training step and compare it with the plain model.
+    simulate one whole training step and compare it with the plain model (this needs a graph
+    traced on the CPU, ``trace(mf, device="cpu", model=...)``: creation ops traced on ``meta``
+    keep ``device=meta``; and a one-stage plan without micro-batches).
 
     >>> verdict = verify_plan(materialize(transform(graph, plan)), model_file=mf)  # doctest: +SKIP
     >>> verdict.ok, verdict.fallback_edges                                         # doctest: +SKIP
