@@ -91,3 +91,53 @@ def test_generated_matches_single_device(results, case):
     verdict = compare_runs(expected, mine, tolerance=tolerance_for(torch.float64,
                                                                    reordered_sums=True))
     assert verdict.ok, verdict.summary()
+
+
+# -- in one process: world 1, and the guard against a module of another plan ---------------------
+
+
+def _one_rank(model: str, plan: str, sets: tuple = (), world: int = 1):
+    from ssdsl.codegen import Provenance
+    from ssdsl.elaborate import elaborate_file
+    from ssdsl.runtime.job import JobSpec, plan_job
+
+    spec = JobSpec(model, plan, sets, dtype="float64", optimizer="sgd", lr=LR)
+    mf, m, full = plan_job(spec, world)
+    prov = Provenance.of(model, elaborate_file(plan, world=world, sets=dict(sets)))
+    return mf, m, full, prov
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_world_one_trains_like_single_device(case):
+    from ssdsl.codegen import generate_rank
+    from ssdsl.codegen.runtime import GeneratedRankProgram, load_module
+
+    model, plan, sets = CASES[case]
+    mf, m, full, prov = _one_rank(model, plan, sets)
+    module = load_module(generate_rank(m, 0, prov))
+    prog = GeneratedRankProgram(m, 0, mf, full, module=module, dtype=torch.float64,
+                                optimizer=OptimizerSpec("sgd", LR), groups=None)
+    losses = [prog.step(step, None) for step in range(STEPS)]
+    ref = run_reference(mf, steps=STEPS, dtype=torch.float64, optimizer=OptimizerSpec("sgd", LR))
+    assert losses == pytest.approx(list(ref.losses), rel=1e-10)
+    for qual, _region, t in prog.shards():
+        assert torch.allclose(t, ref.final_state[qual], rtol=1e-10, atol=1e-12), qual
+
+
+def test_module_of_another_rank_or_plan_is_refused():
+    from ssdsl.codegen import generate_rank
+    from ssdsl.codegen.runtime import GeneratedRankProgram, StaleProgram, load_module
+
+    mf, m, full, prov = _one_rank("examples/mlp.py", "dp", world=2)
+    kw = dict(dtype=torch.float64, optimizer=OptimizerSpec("sgd", LR), groups=None)
+    text = generate_rank(m, 1, prov)
+    with pytest.raises(StaleProgram, match="rank 1 of 2, not of rank 0 of 2"):
+        GeneratedRankProgram(m, 0, mf, full, module=load_module(text), **kw)
+    edited = text.replace("aten.gelu.default(linear)", "aten.relu.default(linear)")
+    assert edited != text
+    with pytest.raises(StaleProgram, match="edited after"):
+        GeneratedRankProgram(m, 1, mf, full, module=load_module(edited), **kw)
+    _, m_tp, _, prov_tp = _one_rank("examples/gpt.py", "megatron_tp", world=2)
+    with pytest.raises(StaleProgram, match="another plan or model"):
+        GeneratedRankProgram(m, 0, mf, full, module=load_module(generate_rank(m_tp, 0, prov_tp)),
+                             **kw)

@@ -21,6 +21,7 @@ import attrs
 
 import ssdsl
 from ssdsl.codegen.text import Namer, literal, region_text
+from ssdsl.errors import SsdslError
 from ssdsl.ir.graph import Op
 from ssdsl.materialize.program import Edge, Materialized, SourceUse
 from ssdsl.materialize.steps import Adapter, PointToPoint
@@ -206,8 +207,27 @@ def _step_text(step: Any, rank: int) -> str:
 # -- the module ------------------------------------------------------------------------------
 
 
+class NotGeneratable(SsdslError):
+    """The plan needs something code generation does not write yet (stages, micro-batches...)."""
+
+
+def check_generatable(m: Materialized) -> None:
+    """Refuse plans whose per-rank program is more than one forward: pipelines, micro-batches,
+    recompute and order run unit by unit (``RankProgram.run_unit``), which is not written yet."""
+    t = m.transformed
+    later = [d for d in t.deferred if getattr(d, "span", None) is not None]
+    if getattr(m, "schedule", None) is None and getattr(t, "microbatches", 1) == 1 and not later:
+        return
+    span = later[0].span if later else None
+    raise NotGeneratable(
+        "ssdsl compile writes plans of one stage and one micro-batch only; this plan also "
+        "has stages, micro-batches, recompute or order statements", span,
+        hint="run it with `ssdsl run`, which interprets every plan")
+
+
 def generate_rank(m: Materialized, rank: int, prov: Provenance) -> str:
     """The Python module of ``rank``: header, shard table, cited plan lines, ``forward``."""
+    check_generatable(m)
     e = _RankEmitter(m, rank)
     e.run()
     body = _body(e)

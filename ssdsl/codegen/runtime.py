@@ -96,6 +96,7 @@ def load_module(text: str, *, filename: str = "<generated>") -> types.ModuleType
     """Execute generated source as a fresh module (not registered in ``sys.modules``)."""
     module = types.ModuleType(Path(filename).stem)
     module.__file__ = filename
+    module.__ssdsl_source__ = text  # kept so that check_module can see hand edits
     exec(compile(text, filename, "exec"), module.__dict__)  # noqa: S102 - our own output
     return module
 
@@ -113,6 +114,11 @@ def check_module(module: types.ModuleType, m: Materialized, rank: int) -> None:
         raise StaleProgram(f"{name} is the program of rank {getattr(module, 'RANK', '?')} of "
                            f"{getattr(module, 'WORLD', '?')}, not of rank {rank} of {world}",
                            hint="load rank<N>.py on rank N, compiled with the same --world")
+    source = getattr(module, "__ssdsl_source__", None)
+    if source is not None and body_digest(source) != getattr(module, "DIGEST", None):
+        raise StaleProgram(f"{name} was edited after it was generated (digest mismatch)",
+                           hint="regenerate it with `ssdsl compile`; generated files are not "
+                           "meant to be edited")
     prov = Provenance("", "", "", (), world)
     expected = body_digest(generate_rank(m, rank, prov))
     if getattr(module, "DIGEST", None) != expected:
