@@ -8,6 +8,8 @@ DESIGN §7's float64 tolerance. Both plans of the golden files run: mlp dp and g
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,8 +18,9 @@ from ssdsl.runtime.reference import RunRecord, compare_runs, run_reference, tole
 from ssdsl.runtime.train import OptimizerSpec
 from ssdsl.trace.model_file import load_model_file
 
-CASES = {"mlp_dp": ("examples/mlp.py", "dp", ()),
-         "gpt_megatron_tp": ("examples/gpt.py", "megatron_tp",
+ROOT = Path(__file__).resolve().parent.parent
+CASES = {"mlp_dp": (str(ROOT / "examples/mlp.py"), "dp", ()),
+         "gpt_megatron_tp": (str(ROOT / "examples/gpt.py"), "megatron_tp",
                              (("attn_out", "attn.c_proj"), ("mlp_out", "mlp.c_proj")))}
 STEPS = 2
 LR = 0.1
@@ -128,7 +131,7 @@ def test_module_of_another_rank_or_plan_is_refused():
     from ssdsl.codegen import generate_rank
     from ssdsl.codegen.runtime import GeneratedRankProgram, StaleProgram, load_module
 
-    mf, m, full, prov = _one_rank("examples/mlp.py", "dp", world=2)
+    mf, m, full, prov = _one_rank(CASES["mlp_dp"][0], "dp", world=2)
     kw = dict(dtype=torch.float64, optimizer=OptimizerSpec("sgd", LR), groups=None)
     text = generate_rank(m, 1, prov)
     with pytest.raises(StaleProgram, match="rank 1 of 2, not of rank 0 of 2"):
@@ -137,7 +140,23 @@ def test_module_of_another_rank_or_plan_is_refused():
     assert edited != text
     with pytest.raises(StaleProgram, match="edited after"):
         GeneratedRankProgram(m, 1, mf, full, module=load_module(edited), **kw)
-    _, m_tp, _, prov_tp = _one_rank("examples/gpt.py", "megatron_tp", world=2)
+    _, m_tp, _, prov_tp = _one_rank(CASES["gpt_megatron_tp"][0], "megatron_tp", world=2)
     with pytest.raises(StaleProgram, match="another plan or model"):
         GeneratedRankProgram(m, 0, mf, full, module=load_module(generate_rank(m_tp, 0, prov_tp)),
                              **kw)
+
+
+def test_compiled_file_on_disk_runs(tmp_path, capsys, monkeypatch):
+    """The file `ssdsl compile` writes (traced on meta) runs as written, under the run's plan."""
+    from ssdsl.cli import main
+    from ssdsl.codegen.runtime import GeneratedRankProgram, load_program_file
+
+    monkeypatch.chdir(ROOT)
+    assert main(["compile", "examples/mlp.py", "dp", "--world", "1", "-o", str(tmp_path)]) == 0
+    module = load_program_file(tmp_path / "rank0.py")
+    mf, m, full, _prov = _one_rank(CASES["mlp_dp"][0], "dp")
+    prog = GeneratedRankProgram(m, 0, mf, full, module=module, dtype=torch.float64,
+                                optimizer=OptimizerSpec("sgd", LR), groups=None)
+    losses = [prog.step(step, None) for step in range(STEPS)]
+    ref = run_reference(mf, steps=STEPS, dtype=torch.float64, optimizer=OptimizerSpec("sgd", LR))
+    assert losses == pytest.approx(list(ref.losses), rel=1e-10)
