@@ -78,12 +78,14 @@ def ddp_worker(model_path: str, batch_size: int, steps: int, seed: int) -> list[
         return [m.step_s for m in metrics.history]
 
 
-def measure_ddp(model_path: str, *, nproc: int, batch_size: int, steps: int, seed: int
+def _measure(worker: str) -> Measurement:
+    """A measurement that launches ``worker``; per step, the slowest rank's time."""
+    def measure(model_path: str, *, nproc: int, batch_size: int, steps: int, seed: int
                 ) -> list[float]:
-    """One run of DDP: per step, the slowest rank's time."""
-    per_rank = launch("bench_ddp:ddp_worker", nproc=nproc,
-                      args=(model_path, batch_size, steps, seed), timeout_s=600)
-    return [max(times) for times in zip(*per_rank)]
+        per_rank = launch(f"bench_ddp:{worker}", nproc=nproc,
+                          args=(model_path, batch_size, steps, seed), timeout_s=600)
+        return [max(times) for times in zip(*per_rank)]
+    return measure
 
 
 def ssdsl_worker(model_path: str, batch_size: int, steps: int, seed: int) -> list[float]:
@@ -112,15 +114,8 @@ def ssdsl_worker(model_path: str, batch_size: int, steps: int, seed: int) -> lis
         return [m.step_s for m in metrics.history]
 
 
-def measure_ssdsl(model_path: str, *, nproc: int, batch_size: int, steps: int, seed: int
-                  ) -> list[float]:
-    """One run of the ssdsl ``dp`` plan: per step, the slowest rank's time."""
-    per_rank = launch("bench_ddp:ssdsl_worker", nproc=nproc,
-                      args=(model_path, batch_size, steps, seed), timeout_s=600)
-    return [max(times) for times in zip(*per_rank)]
-
-
-MEASUREMENTS: dict[str, Measurement] = {"ddp": measure_ddp, "ssdsl_dp": measure_ssdsl}
+MEASUREMENTS: dict[str, Measurement] = {"ddp": _measure("ddp_worker"),
+                                        "ssdsl_dp": _measure("ssdsl_worker")}
 
 
 def run_benchmark(model_path: str, *, names: list[str], nproc: int, batch_size: int, steps: int,
