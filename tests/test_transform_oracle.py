@@ -9,7 +9,8 @@ the full op's output on full inputs; nothing of the transform is used to compute
 Gradients likewise: the vector-Jacobian product of each part's local call (upstream gradient: the
 slice of a random full upstream gradient) must equal the slice of the full op's input gradient
 when ``grad_value_part`` says (0, 1), and the V sibling parts that it says hold the partial sums
-of one region must add up to that slice.
+of one region must add up to that slice. Random partition/replicate plans (hypothesis) go
+through the same two checks, or must be rejected with errors located in the plan.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from ssdsl.elaborate import elaborate_file
+from ssdsl.elaborate import elaborate_file, elaborate_text
+from ssdsl.errors import ErrorGroup, SsdslError
 from ssdsl.ir.graph import Graph, Op
 from ssdsl.ir.interpret import call_target, run_op
 from ssdsl.ir.region import Region
@@ -117,7 +121,12 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 @pytest.mark.parametrize(("model_name", "plan_name", "world"), CASES, ids=IDS)
 def test_parts_recompose_every_op_output(model_name: str, plan_name: str, world: int) -> None:
     graph, env = model(model_name)
-    t = transformed(model_name, plan_name, world)
+    split_ops = check_recompose(graph, env, transformed(model_name, plan_name, world))
+    assert split_ops > len(graph.ops) // 2, "most ops should be split by these plans"
+
+
+def check_recompose(graph: Graph, env, t: Transformed) -> int:
+    """Assert that every op's parts recompose its real output; returns how many ops are split."""
     failures = []
     split_ops = 0
     for op in graph.ops:
@@ -153,7 +162,7 @@ def test_parts_recompose_every_op_output(model_name: str, plan_name: str, world:
                                                                       dtype=torch.int64))
             assert bool((cover == 1).all()), (op.name, name, "output not covered exactly once")
     assert not failures, failures[:10]
-    assert split_ops > len(graph.ops) // 2, "most ops should be split by these plans"
+    return split_ops
 
 
 @pytest.mark.parametrize(("model_name", "plan_name", "world"), CASES, ids=IDS)
@@ -255,7 +264,13 @@ def _vjp(op: Op, part: Part, inputs: list, upstream: tuple, i: int) -> torch.Ten
                          ids=["gpt-megatron_tp-2", "gpt-dp_tp-4", "mlp-dp-2", "mlp-mlp_2d-4"])
 def test_grad_value_part_matches_autograd(model_name: str, plan_name: str, world: int) -> None:
     graph, env = model(model_name)
-    t = transformed(model_name, plan_name, world)
+    checked, partial = check_grads(graph, env, transformed(model_name, plan_name, world))
+    assert checked and partial
+
+
+def check_grads(graph: Graph, env, t: Transformed) -> tuple[int, int]:
+    """Assert ``grad_value_part`` against autograd for every part of every op; returns how many
+    full-value and partial-sum gradients were compared."""
     gen = torch.Generator().manual_seed(0)
     checked = partial = 0
     for op in graph.ops:
@@ -291,7 +306,7 @@ def test_grad_value_part_matches_autograd(model_name: str, plan_name: str, world
                 assert torch.allclose(sum(shares.values()), r.slice_of(full_grad), atol=1e-10), \
                     (op.name, i, "partial gradients do not add up")
                 partial += 1
-    assert checked and partial
+    return checked, partial
 
 
 def _full_vjp(op: Op, env, upstream, name: str) -> torch.Tensor | None:
@@ -304,3 +319,51 @@ def _full_vjp(op: Op, env, upstream, name: str) -> torch.Tensor | None:
             return None
         (g,) = torch.autograd.grad(total, x, allow_unused=True)
     return torch.zeros_like(x) if g is None else g
+
+
+# ------------------------------------------------------------------------------ random plans
+
+SELECTORS = {"mlp": ["all", "layers.*", "act", "head", "kind(linear)", "layers.1", "kind(gelu)",
+                     "layers.0 | act", "rest"],
+             "gpt": ["all", "h.*.attn", "h.0.mlp", "h.*.mlp.c_fc", "kind(linear)", "h.1",
+                     "h.*.attn except h.*.attn.c_proj", "kind(sdpa)", "rest"]}
+DIMS = {"mlp": ["batch", "in", "out", "features"], "gpt": ["batch", "seq", "heads", "in", "out"]}
+
+
+@st.composite
+def random_plan(draw, model_name: str) -> str:
+    lines = ["plan fuzz()"]
+    for _ in range(draw(st.integers(1, 3))):
+        sel = draw(st.sampled_from(SELECTORS[model_name]))
+        if draw(st.integers(0, 4)) == 0:
+            lines.append(f"replicate {sel} into 2")
+        else:
+            dim = draw(st.sampled_from(DIMS[model_name]))
+            lines.append(f"partition {sel} along {dim} into {draw(st.sampled_from([2, 4]))}")
+    lines.append("assign all to device 0")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
+def test_random_plans_fail_with_a_position_or_recompose(model_name: str) -> None:
+    """Random partition/replicate sequences: the transform either rejects the plan with errors
+    located in it, or its parts recompose every op's output and gradients."""
+    graph, env = model(model_name)
+    accepted = []
+
+    @settings(max_examples=12 if model_name == "mlp" else 6, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(random_plan(model_name))
+    def check(text: str) -> None:
+        try:
+            t = transform(graph, elaborate_text(text, "fuzz.ssp", world=1))
+        except SsdslError as err:
+            for e in (err.errors if isinstance(err, ErrorGroup) else [err]):
+                assert e.span is not None and e.span.file == "fuzz.ssp", e.render()
+            return
+        check_recompose(graph, env, t)
+        check_grads(graph, env, t)
+        accepted.append(text)
+
+    check()
+    assert accepted, "every random plan was rejected: the strategy tests nothing"
