@@ -176,7 +176,11 @@ class RankProgram:
                 local[slot] = self._source(name, op.name, slot, mb.inputs)
         if part is not None:
             args, kwargs = part.sub.local.bind(local)
-            out = call_target(part.sub.local.target, args, kwargs)
+            try:
+                out = _call(part.sub.local.target, args, kwargs)
+            except RuntimeError as err:  # name the operator: torch's message does not
+                raise RuntimeError(f"operator '{op.name}' ({part.sub.local.target}, part "
+                                   f"{part.index}) on rank {self.rank}: {err}") from err
             outs = tuple(out) if op.returns == "list" else (out,)
             if part.sub.local.scale != 1.0:
                 outs = tuple(o * part.sub.local.scale for o in outs)
@@ -295,6 +299,20 @@ class RankProgram:
         """This rank's parameter shards as (qualified name, region, values)."""
         return [(self.graph.params[name], region, t.detach().cpu().clone())
                 for (name, region), t in self.state.leaves.items()]
+
+
+def _call(target: str, args: tuple, kwargs: dict) -> Any:
+    """``call_target``, with a ``view`` that cannot alias its input done as a reshape.
+
+    A graph traced on real tensors omits the ``contiguous()`` that was a no-op there (attention's
+    output was already laid out for the view); a received activation can be laid out otherwise.
+    """
+    try:
+        return call_target(target, args, kwargs)
+    except RuntimeError:
+        if target != "aten.view.default":
+            raise
+        return torch.ops.aten.reshape.default(*args, **kwargs)
 
 
 def assemble(shards: list[tuple[str, Region, torch.Tensor]]) -> dict[str, torch.Tensor]:
