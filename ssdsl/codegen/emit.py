@@ -13,7 +13,7 @@ those lines with their text.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +68,9 @@ def cite(span: Span) -> str:
 class _RankEmitter:
     """Walks the graph as the interpreter does for one rank and records the statements."""
 
-    def __init__(self, m: Materialized, rank: int) -> None:
-        self.m, self.rank = m, rank
+    def __init__(self, m: Materialized, rank: int, placed: Mapping[tuple[str, int], Part],
+                 producer: Mapping[str, Op]) -> None:
+        self.m, self.rank, self.placed, self.producer = m, rank, placed, producer
         self.graph = m.transformed.graph
         self.names = Namer()
         self.env: dict[str, str] = {}          # graph tensor -> variable holding this rank's part
@@ -80,7 +81,7 @@ class _RankEmitter:
 
     def run(self) -> None:
         for op in self.graph.ops:
-            part = self.m.part_on(op.name, self.rank)
+            part = self.placed.get((op.name, self.rank))
             local = [self._input(op, slot, name, part) for slot, name in enumerate(op.inputs)]
             if part is not None:
                 self._call(op, part, local)
@@ -125,7 +126,7 @@ class _RankEmitter:
         eid = self.edge_ids[(edge.tensor, edge.op, edge.slot)]
         call = f"rt.adapter({eid}, {held or 'None'})"
         note = f"{edge.tensor} -> {edge.op}[{edge.slot}]: {describe(ad, self.rank)}"
-        cites = _spans(self._span_of(self.graph.producer()[edge.tensor].name),
+        cites = _spans(self._span_of(self.producer[edge.tensor].name),
                        self._span_of(edge.op))
         if not reads:
             self.stmts.append(Stmt(call, note + " (this rank only sends)", cites))
@@ -135,7 +136,7 @@ class _RankEmitter:
         return var
 
     def _span_of(self, op: str) -> Span | None:
-        part = self.m.part_on(op, self.rank) or self.m.transformed.parts[op][0]
+        part = self.placed.get((op, self.rank)) or self.m.transformed.parts[op][0]
         return part.span
 
     # -- the local call ------------------------------------------------------------------------
@@ -227,16 +228,31 @@ def check_generatable(m: Materialized) -> None:
 
 def generate_rank(m: Materialized, rank: int, prov: Provenance) -> str:
     """The Python module of ``rank``: header, shard table, cited plan lines, ``forward``."""
-    check_generatable(m)
-    e = _RankEmitter(m, rank)
-    e.run()
-    body = _body(e)
-    return _header(rank, prov, body) + body
+    return _Generator(m, prov).rank(rank)
 
 
 def generate_all(m: Materialized, prov: Provenance) -> dict[str, str]:
     """``{"rank0.py": text, ...}`` for every rank of the world."""
-    return {f"rank{r}.py": generate_rank(m, r, prov) for r in range(prov.world)}
+    gen = _Generator(m, prov)
+    return {f"rank{r}.py": gen.rank(r) for r in range(prov.world)}
+
+
+class _Generator:
+    """What every rank's module needs, indexed once (parts by device, producers of tensors), so
+    that writing all ranks costs the number of parts, not ranks times parts."""
+
+    def __init__(self, m: Materialized, prov: Provenance) -> None:
+        check_generatable(m)
+        self.m, self.prov = m, prov
+        self.placed = {(op, p.device): p for op, parts in m.transformed.parts.items()
+                       for p in parts if p.device is not None}
+        self.producer = m.transformed.graph.producer()
+
+    def rank(self, rank: int) -> str:
+        e = _RankEmitter(self.m, rank, self.placed, self.producer)
+        e.run()
+        body = _body(e)
+        return _header(rank, self.prov, body) + body
 
 
 def body_digest(text: str) -> str:
