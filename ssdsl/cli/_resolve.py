@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,6 +126,7 @@ def print_table(model: str, plan: ElaboratedPlan, t: Transformed,
     for note in t.notes:
         console.print(f"note: {note}", style="yellow", highlight=False)
     if t.deferred:
-        console.print(f"{len(t.deferred)} directive(s) left for the schedule phase: "
-                      + "; ".join(str(d) for d in t.deferred[:5])
-                      + (" ..." if len(t.deferred) > 5 else ""), style="dim", highlight=False)
+        kinds = Counter(d.kind for d in t.deferred)
+        console.print("schedule directives: "
+                      + ", ".join(f"{n} {kind}" for kind, n in kinds.items()), style="dim",
+                      highlight=False)
