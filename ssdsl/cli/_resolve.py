@@ -23,6 +23,13 @@ def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False) -> i
     """Trace ``model``, transform it by ``plan`` and print the result; returns the exit status."""
     graph = trace(load_model_file(model), device="meta")
     result = transform(graph, plan)
+    if any(getattr(d, "kind", None) in ("stages", "microbatch") for d in result.deferred):
+        # pipelines: stages placed, micro-batches split, and the schedule checked (phases 5-6)
+        from ssdsl.check import check_schedule
+        from ssdsl.schedule.resolve import resolve_pipeline
+        result, lowered = resolve_pipeline(result)
+        if lowered is not None:
+            check_schedule(lowered.schedule)
     rows = op_rows(result)
     if as_json:
         json.dump(to_json(model, plan, result, rows), sys.stdout, indent=1)

@@ -63,16 +63,6 @@ def schedule_plan(graph: Any, plan: Any) -> tuple[Transformed, Lowered | None]:
     return t, lowered
 
 
-def preflight(spec: JobSpec, world: int) -> None:
-    """Plan the job on the meta device, without launching: a plan that cannot run (a wrong
-    schedule, a bad selector) raises its error here, in the launching process."""
-    mf = load_model_file(spec.model)
-    graph = trace(mf, device="meta", batch_size=spec.batch_size)
-    plan = elaborate_file(spec.plan, world=world, sets=dict(spec.sets))
-    t, lowered = schedule_plan(graph, plan)
-    materialize(t, dtype=DTYPES[spec.dtype], schedule=lowered)
-
-
 def rank_main(spec: JobSpec) -> dict[str, Any] | None:
     """Train on this rank; rank 0 returns losses, final parameters and per-rank metrics."""
     with sdist.distributed() as ctx:

@@ -69,6 +69,12 @@ def _split(t: Transformed, d: Microbatch) -> list[dict[str, list[Part]]]:
         if label is not None:
             found = True
             b._record(op.name, label, flowing)
+        elif any(x in flowing for x in op.inputs):
+            raise NotMicrobatchable(
+                f"operator '{op.name}' ({op.kind}, in '{op.module or '<top>'}') reads a tensor "
+                f"split into micro-batches along '{d.dim}' but cannot be split itself (it would "
+                "need every micro-batch at once)", d.span,
+                hint="micro-batch a model whose operators all carry the batch through")
         for part in t.parts[op.name]:
             pieces = _pieces(t, b, part, label, d)
             if any(len(p.sub.value) > len(part.sub.value) for p in pieces) \
