@@ -74,7 +74,14 @@ def run(args: argparse.Namespace) -> int:
         # Plan once here, exactly as every rank will: a bad model file or plan fails now, once,
         # with its location and exit status 2, instead of in N processes after they started.
         plan_job(spec, nproc)
-        result = launch(rank_main, nproc=nproc, args=(spec,), timeout_s=args.timeout)[0]
+        if args.json:
+            result = launch(rank_main, nproc=nproc, args=(spec,), timeout_s=args.timeout)[0]
+        else:
+            from ssdsl.runtime.train import LiveView
+            with LiveView(nproc=nproc, steps=args.steps,
+                          title=f"ssdsl run {args.model} {args.plan}") as view:
+                result = launch(rank_main, nproc=nproc, args=(spec,), timeout_s=args.timeout,
+                                on_event=view.on_event)[0]
     if args.save:
         save_atomically(result["params"], Path(args.save))
     console = Console(file=sys.stdout, soft_wrap=True)
