@@ -191,9 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
         plan.write_text(plan_text(args.nproc, args.layers, args.microbatches))
         figures: dict[str, list[float]] = {"torch": [], "ssdsl": []}
         for _ in range(args.runs):
-            runs = {"torch": (torch_worker, (str(model), args.nproc, args.layers,
+            runs = {"torch": ("bench_pipeline:torch_worker", (str(model), args.nproc, args.layers,
                                              args.microbatches, args.steps)),
-                    "ssdsl": (ssdsl_worker, (str(model), str(plan), args.steps))}
+                    "ssdsl": ("bench_pipeline:ssdsl_worker", (str(model), str(plan), args.steps))}
             for name, (worker, wargs) in runs.items():
                 per_rank = launch(worker, nproc=args.nproc, args=wargs, timeout_s=600)
                 figures[name].append(_run_time(per_rank, args.warmup))

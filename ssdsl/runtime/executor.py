@@ -81,6 +81,7 @@ class RankProgram:
         self.layout = PipelineLayout.of(m)
         self.program = self.layout.program_of(rank)
         self.recompute = recompute_ops(m)
+        self.direct = frozenset(key for key, e in m.edges.items() if _passthrough(e.adapter, rank))
         self._mbs: dict[int, _MicroBatch] = {}
 
     @property
@@ -165,7 +166,10 @@ class RankProgram:
             key = (name, op.name, slot)
             edge = self.m.edges.get(key)
             if edge is not None:
-                if self.layout.at_consumer.get(key, {}).get(self.rank):
+                if key in self.direct:  # nothing moves: skip the adapter's autograd node
+                    if reads:
+                        local[slot] = self._value(name, stage, mb)
+                elif self.layout.at_consumer.get(key, {}).get(self.rank):
                     got = run_adapter(edge.adapter, self.rank, self._value(name, stage, mb),
                                       groups=self.groups, tag=self.layout.tag(key, k))
                     if reads:
@@ -299,6 +303,15 @@ class RankProgram:
         """This rank's parameter shards as (qualified name, region, values)."""
         return [(self.graph.params[name], region, t.detach().cpu().clone())
                 for (name, region), t in self.state.leaves.items()]
+
+
+def _passthrough(adapter, rank: int) -> bool:
+    """Whether ``adapter`` only hands this rank's own tensor to itself (no step either way)."""
+    if adapter.steps or (adapter.backward is not None and adapter.backward.steps):
+        return False
+    mine = [r for d, r in adapter.producers if d == rank]
+    wanted = [r for d, r in adapter.consumers if d == rank]
+    return len(mine) == 1 and mine == wanted
 
 
 def _call(target: str, args: tuple, kwargs: dict) -> Any:
