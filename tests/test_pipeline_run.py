@@ -101,3 +101,12 @@ def test_wrong_schedule_fails_before_launch_at_the_order_statement(tmp_path, cap
     assert "Traceback" not in err
     assert main(["check", GPT, str(plan), "--world", "2"]) == 2
     assert f"p.ssp:{line}:" in capsys.readouterr().err
+
+
+def test_1f1b_with_recompute_matches_reference(tmp_path, capsys):
+    plan = tmp_path / "rc.ssp"
+    plan.write_text("plan rc(microbatches: int = 4)\n"
+                    "use one_f_one_b(stages=2, microbatches=microbatches)\n"
+                    "recompute h.*.mlp\n")
+    code, out = run_json(capsys, str(plan), "--nproc", "2", *EXACT)
+    assert code == 0 and out["check"]["ok"], out["check"]
