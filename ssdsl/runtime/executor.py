@@ -82,6 +82,9 @@ class RankProgram:
         self.program = self.layout.program_of(rank)
         self.recompute = recompute_ops(m)
         self.direct = frozenset(key for key, e in m.edges.items() if _passthrough(e.adapter, rank))
+        # the edges this rank runs as a producer only, right after their producer (its sends)
+        self.sends = {op: [key for key in keys if self.layout.at_consumer[key].get(rank) is False]
+                      for op, keys in self.layout.sends_after.items()}
         self._mbs: dict[int, _MicroBatch] = {}
 
     @property
@@ -193,14 +196,12 @@ class RankProgram:
             if self.graph.output in op.outputs:
                 mb.loss = mb.env[self.graph.output]
                 mb.roots.setdefault(stage, []).append((mb.loss, None))
-        for key in self.layout.sends_after.get(op.name, ()):
+        for key in self.sends.get(op.name, ()):
             edge = self.m.edges[key]
-            if self.rank in edge.adapter.devices and not \
-                    self.layout.at_consumer.get(key, {}).get(self.rank):
-                got = run_adapter(edge.adapter, self.rank, mb.env.get(edge.tensor),
-                                  groups=self.groups, tag=self.layout.tag(key, k))
-                if got is not None:
-                    mb.roots.setdefault(stage, []).append((got, None))
+            got = run_adapter(edge.adapter, self.rank, mb.env.get(edge.tensor),
+                              groups=self.groups, tag=self.layout.tag(key, k))
+            if got is not None:
+                mb.roots.setdefault(stage, []).append((got, None))
 
     def _value(self, name: str, stage: int, mb: _MicroBatch) -> torch.Tensor | None:
         """This rank's producer value of ``name`` for a consumer in ``stage``; a value made by an
