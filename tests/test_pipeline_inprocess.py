@@ -181,3 +181,18 @@ def loss(out, target):
     with pytest.raises(NotMicrobatchable) as info:
         schedule_plan(graph, elaborate_file(str(plan_file), world=1))
     assert info.value.span.line == 3
+
+
+def test_recompute_across_stages_on_one_device(tmp_path):
+    """A recomputed segment that starts a stage reads the previous stage's output through the cut."""
+    text = HEAD + """microbatch along batch into 2
+stages h.0, h.1.mlp as st
+assign st[0] to device 0
+assign st[1] to device 0
+recompute h.1.mlp
+order on device 0:
+    forward st[0] mb 0..2, forward st[1] mb 0..2, backward st[1] mb 0..2, backward st[0] mb 0..2
+"""
+    prog, mf = _program(tmp_path, text)
+    assert any(prog.m.transformed.stage(n) == 1 for n in prog.recompute)
+    _check_two_steps(prog, mf)

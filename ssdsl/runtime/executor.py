@@ -5,6 +5,10 @@ when it takes part in it, so the collectives of all ranks line up without any ex
 synchronisation. Forward runs each part's local ATen call; backward is autograd through those
 calls and through the adapters (whose backward is the planned gradient adapter); weight gradients
 are then summed by the reducer's buckets and the optimizer steps on this rank's shards.
+
+Pipelines (stages, micro-batches) run the same walk per unit ``F(s, k)`` over stage s's
+operators on micro-batch k, and ``B(s, k)`` as one autograd backward from that unit's roots, in
+the order of this rank's schedule program (``ssdsl.runtime.pipeline``, ``docs/pipelines.md``).
 """
 
 from __future__ import annotations
@@ -16,17 +20,17 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from torch.utils.checkpoint import checkpoint
+
 from ssdsl.ir.interpret import call_target
 from ssdsl.ir.region import Region
-from ssdsl.materialize.program import Materialized
-from ssdsl.materialize.program import UnsupportedPlacement
+from ssdsl.materialize.program import Materialized, UnsupportedPlacement
 from ssdsl.runtime.comm import reduce_gradients, run_adapter, wait_sends
-from ssdsl.runtime.pipeline import PipelineLayout, recompute_ops
-from ssdsl.schedule.units import Pass, Unit
-from torch.utils.checkpoint import checkpoint
 from ssdsl.runtime.groups import ProcessGroups, groups_of
+from ssdsl.runtime.pipeline import PipelineLayout, recompute_ops
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
+from ssdsl.schedule.units import Pass, Unit
 from ssdsl.trace.model_file import ModelFile
 
 
@@ -226,14 +230,13 @@ class RankProgram:
                  if n not in inside and n in mb.env]
 
         def segment(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            scratch = _MicroBatch(mb.inputs, dict(zip(outer, values)),
-                                  {n: mb.made_in[n] for n in outer})
+            scratch = _MicroBatch(mb.inputs, dict(zip(outer, values)), dict.fromkeys(outer, stage))
             for op in ops:
                 self._run_op(op, stage, k, scratch)
             scratch.roots.pop(stage, None)
             return tuple(scratch.env[n] for n in used_after if n in scratch.env)
 
-        values = [mb.env[n] for n in outer]
+        values = [self._value(n, stage, mb) for n in outer]  # cut where an earlier stage made it
         results = checkpoint(segment, *values, use_reentrant=False)
         present = [n for n in used_after if self.my_parts[self.layout.producer[n]] is not None]
         mb.env.update(zip(present, results, strict=True))
