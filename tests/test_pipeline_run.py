@@ -110,3 +110,19 @@ def test_1f1b_with_recompute_matches_reference(tmp_path, capsys):
                     "recompute h.*.mlp\n")
     code, out = run_json(capsys, str(plan), "--nproc", "2", *EXACT)
     assert code == 0 and out["check"]["ok"], out["check"]
+
+
+def test_backwards_in_another_order_than_their_sender_still_match(tmp_path, capsys):
+    """Stage 1 sends micro-batch 1's gradient before micro-batch 0's, stage 0 receives 0 first:
+    messages are told apart by (edge, micro-batch) tags, not by arrival order."""
+    plan = tmp_path / "swap.ssp"
+    plan.write_text("""plan swap()
+microbatch along batch into 2
+stages into 2 as st
+assign st[0] to device 0
+assign st[1] to device 1
+order on device 0: forward st[0] mb 0..2, backward st[0] mb 0, backward st[0] mb 1
+order on device 1: forward st[1] mb 0..2, backward st[1] mb 1, backward st[1] mb 0
+""")
+    code, out = run_json(capsys, str(plan), "--nproc", "2", *EXACT)
+    assert code == 0 and out["check"]["ok"], out["check"]
