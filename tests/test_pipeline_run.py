@@ -126,3 +126,18 @@ order on device 1: forward st[1] mb 0..2, backward st[1] mb 1, backward st[1] mb
 """)
     code, out = run_json(capsys, str(plan), "--nproc", "2", *EXACT)
     assert code == 0 and out["check"]["ok"], out["check"]
+
+
+def test_split_backward_is_refused_before_launch(tmp_path, capsys):
+    plan = tmp_path / "zb.ssp"
+    plan.write_text("""plan zb()
+microbatch along batch into 2
+stages into 2 as st
+assign st[0] to device 0
+assign st[1] to device 1
+order on device 0: forward st[0] mb 0..2, input_grad st[0] mb 0..2, weight_grad st[0] mb 0..2
+order on device 1: forward st[1] mb 0..2, input_grad st[1] mb 0..2, weight_grad st[1] mb 0..2
+""")
+    assert main(["run", GPT, str(plan), "--nproc", "2", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "zb.ssp:6:" in err and "input and weight gradients" in err

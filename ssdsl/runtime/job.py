@@ -20,7 +20,9 @@ from ssdsl.runtime import dist as sdist
 from ssdsl.runtime.executor import RankProgram, assemble, create_groups
 from ssdsl.runtime.launch import report_event
 from ssdsl.runtime.train import MetricsCollector, OptimizerSpec
+from ssdsl.errors import SsdslError
 from ssdsl.schedule.lower import Lowered
+from ssdsl.schedule.units import Pass
 from ssdsl.schedule.resolve import resolve_pipeline
 from ssdsl.trace.export import trace
 from ssdsl.trace.model_file import load_model_file
@@ -60,7 +62,22 @@ def schedule_plan(graph: Any, plan: Any) -> tuple[Transformed, Lowered | None]:
     t, lowered = resolve_pipeline(transform(graph, plan))
     if lowered is not None:
         check_schedule(lowered.schedule)
+        _refuse_split_backward(lowered)
     return t, lowered
+
+
+class SplitBackwardNotRun(SsdslError):
+    """A schedule with input-grad / weight-grad units: the runtime runs whole backwards only."""
+
+
+def _refuse_split_backward(lowered: Lowered) -> None:
+    for prog in lowered.schedule.programs:
+        for unit, span in zip(prog.units, prog.spans):
+            if unit.kind not in (Pass.F, Pass.B):
+                raise SplitBackwardNotRun(
+                    f"unit {unit} splits a backward into input and weight gradients, which the "
+                    "runtime does not run yet (the checker and `ssdsl show` accept it)", span,
+                    hint="order whole backward passes (`backward st[s] mb k`)")
 
 
 def rank_main(spec: JobSpec) -> dict[str, Any] | None:
