@@ -196,3 +196,27 @@ order on device 0:
     prog, mf = _program(tmp_path, text)
     assert any(prog.m.transformed.stage(n) == 1 for n in prog.recompute)
     _check_two_steps(prog, mf)
+
+
+def _orders(kind: str, m: int) -> str:
+    if kind == "gpipe":
+        return (f"    forward st[0] mb 0..{m}, forward st[1] mb 0..{m},\n"
+                f"    backward st[1] mb 0..{m}, backward st[0] mb 0..{m}\n")
+    units = [f"forward st[0] mb {k}, forward st[1] mb {k}, backward st[1] mb {k}, "
+             f"backward st[0] mb {k}" for k in range(m)]
+    return "    " + ",\n    ".join(units) + "\n"
+
+
+def test_a_micro_batchs_activations_are_freed_by_its_backward(tmp_path):
+    """Two stages on one device: running each micro-batch's backward before the next forward
+    keeps one micro-batch's activations alive; all forwards first keep all four."""
+    peaks = {}
+    for kind in ("gpipe", "one-at-a-time"):
+        text = (HEAD + "microbatch along batch into 4\nstages into 2 as st\n"
+                "assign st[0] to device 0\nassign st[1] to device 0\norder on device 0:\n"
+                + _orders(kind, 4))
+        prog, mf = _program(tmp_path, text)
+        prog.step(0, None)
+        peaks[kind] = prog.peak_live
+    n_activations = peaks["one-at-a-time"]
+    assert n_activations > 0 and peaks["gpipe"] == 4 * n_activations

@@ -141,3 +141,13 @@ order on device 1: forward st[1] mb 0..2, input_grad st[1] mb 0..2, weight_grad 
     assert main(["run", GPT, str(plan), "--nproc", "2", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "zb.ssp:6:" in err and "input and weight gradients" in err
+
+
+def test_data_parallel_with_gradient_accumulation_matches(tmp_path, capsys):
+    """Micro-batches without stages: each dp rank accumulates 2 micro-batches, then one reduction."""
+    plan = tmp_path / "dpacc.ssp"
+    plan.write_text("plan dpacc()\nuse dp(n=2)\nmicrobatch along batch into 2\n")
+    code, out = run_json(capsys, str(plan), "--nproc", "2", *EXACT)
+    assert code == 0 and out["check"]["ok"], out["check"]
+    assert out["accounting"]["gradients"]["all_reduce"]["count"] >= 1
+    assert "p2p" not in out["accounting"]["forward"]

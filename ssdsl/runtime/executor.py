@@ -90,6 +90,8 @@ class RankProgram:
         self.sends = {op: [key for key in keys if self.layout.at_consumer[key].get(rank) is False]
                       for op, keys in self.layout.sends_after.items()}
         self._mbs: dict[int, _MicroBatch] = {}
+        # the most activations (tensors of this rank's parts) alive at once, over all steps
+        self.peak_live = 0
 
     @property
     def pipelined(self) -> bool:
@@ -148,6 +150,8 @@ class RankProgram:
             else:
                 self._run_op(ops[i], stage, k, mb)
                 i += 1
+        live = sum(len(m.env) for m in self._mbs.values())
+        self.peak_live = max(self.peak_live, live)
 
     def backward_unit(self, stage: int, k: int) -> None:
         """Backward of ``stage`` on micro-batch ``k``: from its loss part, the tokens of its sends
