@@ -6,13 +6,13 @@ from collections.abc import Sequence
 
 import attrs
 
-from ssdsl.elaborate.directives import Assign, Partition, Replicate, StageRef
+from ssdsl.elaborate.directives import Assign, Partition, Replicate, StageRef, Zero
 from ssdsl.errors import ErrorCollector, SsdslError
 from ssdsl.ir.graph import Graph
 from ssdsl.ops import Annotation, NotAnnotated, NotAnnotatedError, annotate, call_of, require
 from ssdsl.source import Span
 from ssdsl.transform.errors import (
-    BadDevice, EmptySelection, MissingDim, PartCountMismatch, UnplacedPart,
+    BadDevice, EmptySelection, UnsupportedDirective, MissingDim, PartCountMismatch, UnplacedPart,
 )
 from ssdsl.transform.parts import Part, Transformed, row_major, split_ranges, whole_part
 from ssdsl.transform.select import part_prefix, select_ops
@@ -222,6 +222,12 @@ def apply_directives(graph: Graph, directives: Sequence, *, world: int,
     for d in directives:
         if isinstance(d, Assign) and isinstance(part_prefix(d.selector)[1], StageRef):
             deferred.append(d)
+            continue
+        if isinstance(d, Zero):
+            errors.add(UnsupportedDirective(
+                "zero (sharding optimizer state) is not executed by this version of ssdsl",
+                d.span, hint="remove the zero statement; the optimizer state then stays with "
+                "each weight shard"))
             continue
         handler = {Partition: b.partition, Replicate: b.replicate, Assign: b.assign}.get(type(d))
         if handler is None:

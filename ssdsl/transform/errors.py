@@ -31,3 +31,7 @@ class BadDevice(TransformError):
 
 class UnsupportedSelector(TransformError):
     """A selector form the transform phase cannot resolve here (stages before they exist)."""
+
+
+class UnsupportedDirective(TransformError):
+    """A statement the language accepts but this version cannot apply to a model yet."""
