@@ -19,24 +19,80 @@ from ssdsl.trace.model_file import load_model_file
 from ssdsl.transform import Part, Transformed, transform
 
 
-def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False) -> int:
-    """Trace ``model``, transform it by ``plan`` and print the result; returns the exit status."""
-    graph = trace(load_model_file(model), device="meta")
+def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False,
+                verify: bool = False) -> int:
+    """Trace ``model``, apply ``plan``, derive its communication, print the result.
+
+    With ``verify``, the model is also built for real and traced on the CPU, every adapter is
+    run on random data, and (for plans without stages or micro-batches) one whole training step
+    of all ranks is simulated in one process and compared with the plain model.
+    Returns the exit status: 1 when verification finds a fault.
+    """
+    from ssdsl.materialize.program import materialize
+    from ssdsl.materialize.verify import comm_report
+
+    mf = load_model_file(model)
+    result, lowered = _resolve(trace(mf, device="meta"), plan)
+    m = materialize(result, schedule=lowered)
+    table, comm = comm_report(m)
+    verdict = _verify(mf, plan) if verify else None
+    rows = op_rows(result)
+    if as_json:
+        data = to_json(model, plan, result, rows)
+        data["communication"] = comm
+        if verdict is not None:
+            data["verify"] = {"ok": verdict.ok, "problems": list(verdict.problems),
+                              "edges_checked": verdict.edges_checked,
+                              "loss": verdict.loss, "reference_loss": verdict.reference_loss,
+                              "max_grad_error": verdict.max_grad_error}
+        json.dump(data, sys.stdout, indent=1, default=str)
+        sys.stdout.write("\n")
+    else:
+        print_table(model, plan, result, rows)
+        from rich.console import Console
+        console = Console()
+        console.print(table)
+        if verdict is not None:
+            _print_verdict(console, verdict)
+    return 0 if verdict is None or verdict.ok else 1
+
+
+def _resolve(graph, plan: ElaboratedPlan):
+    """Transform, then for pipelines place stages, split micro-batches and check the schedule."""
     result = transform(graph, plan)
+    lowered = None
     if any(getattr(d, "kind", None) in ("stages", "microbatch") for d in result.deferred):
-        # pipelines: stages placed, micro-batches split, and the schedule checked (phases 5-6)
         from ssdsl.check import check_schedule
         from ssdsl.schedule.resolve import resolve_pipeline
         result, lowered = resolve_pipeline(result)
         if lowered is not None:
             check_schedule(lowered.schedule)
-    rows = op_rows(result)
-    if as_json:
-        json.dump(to_json(model, plan, result, rows), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print_table(model, plan, result, rows)
-    return 0
+    return result, lowered
+
+
+def _verify(mf, plan: ElaboratedPlan):
+    """Verify the plan on a graph traced on the CPU with the real, seeded model."""
+    from ssdsl.materialize.program import materialize
+    from ssdsl.materialize.verify import verify_plan
+
+    model = mf.build(seed=0)
+    result, lowered = _resolve(trace(mf, device="cpu", model=model), plan)
+    m = materialize(result, schedule=lowered)
+    return verify_plan(m, model_file=None if lowered is not None else mf)
+
+
+def _print_verdict(console, verdict) -> None:
+    if verdict.ok:
+        line = f"verified: {verdict.edges_checked} edges give every consumer exactly its region"
+        if verdict.loss is not None:
+            line += (f"; one simulated step: loss {verdict.loss:.6g} (model "
+                     f"{verdict.reference_loss:.6g}), worst gradient error "
+                     f"{verdict.max_grad_error:.2g}")
+        console.print(line, style="green", highlight=False)
+        return
+    console.print(f"verification FAILED ({len(verdict.problems)} problems):", style="red")
+    for problem in verdict.problems[:20]:
+        console.print(f"  {problem}", highlight=False)
 
 
 def op_rows(t: Transformed) -> list[dict[str, Any]]:

@@ -23,6 +23,9 @@ def register(subparsers: Any) -> None:
                    help="an optional model file (.py), then a plan file or stdlib plan name")
     add_plan_options(p)
     p.add_argument("--json", action="store_true", help="print JSON for tools")
+    p.add_argument("--verify", action="store_true",
+                   help="with MODEL: run every adapter on random data and simulate one training "
+                   "step of all ranks in one process against the plain model")
     p.set_defaults(func=run)
 
 
@@ -68,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     elif len(targets) == 2:
         raise UsageError(f"check [MODEL] PLAN: the model file must end in .py, got {targets[0]}")
     plan = elaborate_from_args(targets[-1], args)
+    if args.verify and model is None:
+        raise UsageError("--verify needs a model: ssdsl check MODEL PLAN --verify")
     if model is not None:
         return _check_with_model(model, plan, args)
     if args.json:
@@ -80,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_with_model(model: str, plan: ElaboratedPlan, args: argparse.Namespace) -> int:
     from ssdsl.cli._resolve import check_model
-    return check_model(model, plan, as_json=args.json)
+    return check_model(model, plan, as_json=args.json, verify=args.verify)
 
 
 def print_plan(plan: ElaboratedPlan) -> None:
