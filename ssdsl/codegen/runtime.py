@@ -24,7 +24,7 @@ from ssdsl.codegen.text import parse_region
 from ssdsl.errors import SsdslError
 from ssdsl.materialize.program import Materialized
 from ssdsl.runtime.comm import run_adapter
-from ssdsl.runtime.executor import RankProgram, _ScaleGrad
+from ssdsl.runtime.executor import RankProgram, scale_grad
 
 
 class StaleProgram(SsdslError):
@@ -53,7 +53,7 @@ class Runtime:
     def param(self, name: str, region: str, scale: float = 1.0) -> torch.Tensor:
         """This rank's shard of parameter ``name``; its gradient counts ``scale`` times."""
         leaf = self.program.state.leaves[(name, self._region(name, region))]
-        return _ScaleGrad.apply(leaf, scale) if scale != 1.0 else leaf
+        return scale_grad(leaf, scale)
 
     def buffer(self, name: str, region: str) -> torch.Tensor:
         """This rank's region of a buffer or lifted constant (no gradient)."""

@@ -39,6 +39,7 @@ from ssdsl.materialize.steps import Adapter, PointToPoint
 from ssdsl.runtime.comm import reduce_gradients, simulate_steps, verify_adapter
 from ssdsl.runtime.reference import run_reference, to_dtype
 from ssdsl.runtime.train import OptimizerSpec
+from ssdsl.runtime.executor import scale_grad
 from ssdsl.trace.model_file import ModelFile
 
 EdgeKey = tuple[str, str, int]
@@ -125,19 +126,6 @@ def uses_fallback(adapter: Adapter) -> bool:
 
 
 # -- 3: the whole graph ------------------------------------------------------------------------------
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; gradient times ``scale`` (one replica's share of a weight's gradient)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return g * ctx.scale, None
 
 
 class _SimulatedAdapter(torch.autograd.Function):
@@ -253,7 +241,7 @@ def _source(m: Materialized, key: tuple[str, str, int, int], batch: Mapping[str,
     if name not in m.transformed.graph.params:
         return value
     leaf = leaves.setdefault((name, use.region), value.requires_grad_(True))
-    return _ScaleGrad.apply(leaf, use.scale) if use.scale != 1.0 else leaf
+    return scale_grad(leaf, use.scale)
 
 
 def _run_part(op, part, local: list[Any]) -> tuple[torch.Tensor, ...]:

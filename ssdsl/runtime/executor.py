@@ -47,6 +47,11 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.scale, None
 
 
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` whose gradient counts ``scale`` times (one replica's share of a weight's gradient)."""
+    return _ScaleGrad.apply(x, scale) if scale != 1.0 else x
+
+
 @attrs.define
 class RankState:
     """This rank's shards of the parameters, keyed by (graph tensor name, region)."""
@@ -266,7 +271,7 @@ class RankProgram:
             return use.region.slice_of(inputs[name])
         if name in self.graph.params:
             leaf = self.state.leaves[(name, use.region)]
-            return _ScaleGrad.apply(leaf, use.scale) if use.scale != 1.0 else leaf
+            return scale_grad(leaf, use.scale)
         return self.state.fixed[(name, use.region)]
 
     def step(self, step: int, batch_size: int | None) -> float:
