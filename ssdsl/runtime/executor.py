@@ -275,9 +275,14 @@ class RankProgram:
         return self.state.fixed[(name, use.region)]
 
     def step(self, step: int, batch_size: int | None) -> float:
-        """One training step; returns the loss of the whole batch (same on every rank)."""
+        """One training step on the model file's batch ``step``; the loss of the whole batch."""
         inputs, target = self.mf.get_batch(step, batch_size)
-        batch = tuple(to_dtype((*inputs, target), self.dtype))
+        return self.train_batch((*inputs, target))
+
+    def train_batch(self, batch: tuple[torch.Tensor, ...]) -> float:
+        """Forward, backward, gradient reduction and optimizer step on the whole (global) batch
+        ``(*inputs, target)``, the same on every rank; returns its loss (same on every rank)."""
+        batch = tuple(to_dtype(tuple(batch), self.dtype))
         self.opt.zero_grad(set_to_none=True)
         if self.pipelined:
             self.begin(batch)
