@@ -85,6 +85,7 @@ class RankProgram:
         self.graph = m.transformed.graph
         self.groups = groups
         self.my_parts = {op.name: m.part_on(op.name, rank) for op in self.graph.ops}
+        self._loss_part = self.my_parts[self.graph.producer()[self.graph.output].name]
         self.state = self._init_state(model)
         self.opt = build_optimizer(optimizer, model_file, list(self.state.leaves.values()))
         self.layout = PipelineLayout.of(m)
@@ -307,7 +308,7 @@ class RankProgram:
 
     def _total_loss(self, losses: list[torch.Tensor]) -> float:
         """Sum of the distinct value parts of the loss (one representative per replica set)."""
-        part = self.my_parts[self.graph.producer()[self.graph.output].name]
+        part = self._loss_part
         mine = 0.0
         if part is not None and not any(part.replica_index):
             mine = float(sum(float(x.detach()) for x in losses))
