@@ -49,7 +49,19 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+# Written into every picture, so that ssdsl replaces only files it wrote itself.
+MARK = "<!-- written by ssdsl show -->"
+
+
 def _write_picture(svg: str, out: Path) -> None:
+    if out.exists() and MARK not in out.read_text(errors="replace")[:4096] \
+            and out.suffix == ".svg":
+        raise UsageError(f"-o {out}: the file exists and was not written by ssdsl show; it is "
+                         "left as it is", hint="choose another file name with -o")
+    if out.suffix == ".png" and out.exists():
+        raise UsageError(f"-o {out}: the file exists; ssdsl does not overwrite it",
+                         hint="choose another file name with -o")
+    svg = svg.replace(">", ">\n" + MARK, 1)
     if out.suffix == ".svg":
         out.write_text(svg)
         return
