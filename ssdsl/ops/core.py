@@ -151,22 +151,38 @@ class Annotation:
     frozen: Mapping[str, str] = attrs.field(converter=MappingProxyType, factory=dict)
     names: Mapping[str, str] = attrs.field(converter=MappingProxyType, factory=dict)
     lower: LowerFn = attrs.field(default=keep_args, eq=False)
+    # sizes() and labels(), derived once: the transform asks for them once per part (a value of
+    # a frozen annotation, so never stale; not a field that compares or prints)
+    _memo: dict = attrs.field(init=False, factory=dict, eq=False, repr=False)
 
     def sizes(self) -> dict[str, int]:
         """Every label's size (the same at every occurrence)."""
-        out: dict[str, int] = {}
-        for sig in (*self.inputs, *self.outputs):
-            for dim in sig:
-                for f in dim:
-                    out[f.label] = f.size
-        return out
+        return dict(self._sizes())
+
+    def _sizes(self) -> dict[str, int]:
+        found = self._memo.get("sizes")
+        if found is None:
+            found = {}
+            for sig in (*self.inputs, *self.outputs):
+                for dim in sig:
+                    for f in dim:
+                        found[f.label] = f.size
+            self._memo["sizes"] = found
+        return found
 
     def labels(self) -> dict[str, Label]:
         """Every label with its mark, in order of first occurrence."""
-        in_out = {f.label for sig in self.outputs for d in sig for f in d}
-        in_in = {f.label for sig in self.inputs for d in sig for f in d}
-        return {name: _mark(self, name, size, name in in_out, name in in_in)
-                for name, size in self.sizes().items()}
+        return dict(self._labels())
+
+    def _labels(self) -> dict[str, Label]:
+        found = self._memo.get("labels")
+        if found is None:
+            in_out = {f.label for sig in self.outputs for d in sig for f in d}
+            in_in = {f.label for sig in self.inputs for d in sig for f in d}
+            found = {name: _mark(self, name, size, name in in_out, name in in_in)
+                     for name, size in self._sizes().items()}
+            self._memo["labels"] = found
+        return found
 
     def label_for(self, name: str) -> str | None:
         """The label that carries flowing name ``name`` (see ``ssdsl.ops.annotate``), or None."""
@@ -200,10 +216,10 @@ class Annotation:
 
     def partition(self, call: Call, ranges: Mapping[str, Interval]) -> SubOp:
         """The sub-operator that covers ``ranges`` (label -> index interval) of its labels."""
-        labels = self.labels()
+        labels = self._labels()
         for name, (start, stop) in ranges.items():
             _check_range(call, labels, name, start, stop)
-        slotted, kwargs = _slotted(call.op)
+        slotted, kwargs = _slotted_once(call.op)
         local = self.lower(call, self, ranges, slotted, kwargs)
         needed = local.slots()
         value = tuple((n, r) for n, r in ranges.items()
@@ -260,6 +276,20 @@ def _check_range(call: Call, labels: Mapping[str, Label], name: str, start: int,
                                f"operator '{op.name}' (size {lab.size})")
 
 
+_last_slotted: tuple[Any, tuple, dict] = (None, (), {})
+
+
+def _slotted_once(op: Op) -> tuple[tuple, dict]:
+    """``_slotted(op)``, reused while the same op is partitioned again (its parts come in a row).
+    A fresh kwargs dict each time: a lowering rule may change it."""
+    global _last_slotted
+    last, args, kwargs = _last_slotted
+    if last is not op:
+        args, kwargs = _slotted(op)
+        _last_slotted = (op, args, kwargs)
+    return args, dict(kwargs)
+
+
 def _slotted(op: Op) -> tuple[tuple, dict]:
     counter = iter(range(len(op.inputs)))
     to_slot = lambda ref: Slot(next(counter))  # noqa: E731
@@ -280,6 +310,9 @@ def region_of(sig: Sig, ranges: Mapping[str, Interval]) -> Region:
 
 def dim_intervals(dim: Dim, ranges: Mapping[str, Interval]) -> tuple[Interval, ...]:
     """The index intervals of one dim (see ``region_of``)."""
+    if len(dim) == 1:  # the common case: one factor, one interval
+        start, stop = ranges.get(dim[0].label, (0, dim[0].size))
+        return ((start, stop),)
     intervals: list[Interval] = [(0, 1)]
     inner = 1
     for f in reversed(dim):

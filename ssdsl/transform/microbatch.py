@@ -20,7 +20,7 @@ import attrs
 from ssdsl.elaborate.directives import Microbatch
 from ssdsl.errors import SsdslError
 from ssdsl.ir.region import Region
-from ssdsl.ops import Annotation, call_of
+from ssdsl.ops import Annotation, SubOp, call_of
 from ssdsl.transform.apply import _Builder, _at, _indivisible
 from ssdsl.transform.errors import MissingDim, TransformError
 from ssdsl.transform.parts import Part, Transformed, split_ranges
@@ -75,8 +75,9 @@ def _split(t: Transformed, d: Microbatch) -> list[dict[str, list[Part]]]:
                 f"split into micro-batches along '{d.dim}' but cannot be split itself (it would "
                 "need every micro-batch at once)", d.span,
                 hint="micro-batch a model whose operators all carry the batch through")
+        memo: dict = {}  # (label ranges) -> sub-operator: replicas of a part split alike
         for part in t.parts[op.name]:
-            pieces = _pieces(t, b, part, label, d)
+            pieces = _pieces(t, b, part, label, d, memo)
             if any(len(p.sub.value) > len(part.sub.value) for p in pieces) \
                     and any(x in consumed for x in op.outputs):
                 raise NotMicrobatchable(
@@ -92,32 +93,46 @@ def _split(t: Transformed, d: Microbatch) -> list[dict[str, list[Part]]]:
     return out
 
 
-def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Microbatch
-            ) -> list[Part]:
+def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Microbatch,
+            memo: dict) -> list[Part]:
+    """``part`` split into the micro-batches; ``memo`` holds this operator's sub-operators by
+    label ranges (``partition`` is a function of them: parts that differ only in replica entries
+    or device get the same one)."""
     if label is None:  # no batch here (position embeddings): every micro-batch recomputes it
         return [part] * d.count
     ann = t.annotations[part.op]
     assert isinstance(ann, Annotation)
-    size = ann.sizes()[label]
+    size = ann._sizes()[label]
     ranges = split_ranges(dict(part.ranges), label, size, d.count)
     if ranges is None:
         start, stop = dict(part.ranges).get(label, (0, size))
         raise _indivisible(t.graph.op(part.op), label, stop - start, d.count, d.span)
-    call = call_of(t.graph, t.graph.op(part.op))
+    call = memo.get("call")
+    if call is None:
+        call = memo["call"] = call_of(t.graph, t.graph.op(part.op))
     out = []
     for r in ranges:
-        try:
-            sub = ann.partition(call, r)
-        except SsdslError as err:
-            raise _at(err, d.span) from None
-        out.append(attrs.evolve(part, ranges=tuple(sorted(r.items())), sub=sub))
+        key = tuple(sorted(r.items()))
+        sub = memo.get(key)
+        if sub is None:
+            try:
+                sub = memo[key] = ann.partition(call, r)
+            except SsdslError as err:
+                raise _at(err, d.span) from None
+        out.append(Part(part.op, part.index, part.replica, key, sub, part.device, part.span,
+                        part.assigned_at))
     return out
 
 
 def _regions(t: Transformed, parts: dict[str, list[Part]]):
-    """Every (tensor, intervals) that a part of one micro-batch reads or writes."""
+    """Every (tensor, intervals) that a part of one micro-batch reads or writes (a sub-operator
+    shared by several parts once: the boxes are unions)."""
     for op in t.graph.ops:
+        seen: set[int] = set()  # ids of subs alive in ``parts`` for the whole loop
         for p in parts[op.name]:
+            if id(p.sub) in seen:
+                continue
+            seen.add(id(p.sub))
             for name, ivs in zip(op.inputs, p.sub.inputs):
                 if ivs is not None:
                     yield name, ivs
@@ -132,7 +147,11 @@ def _boxes(t: Transformed, parts: dict[str, list[Part]]) -> dict[str, Box]:
     micro-batch 0 holds rows {0, 4} of an 8-row batch, which become local rows {0, 1}.
     """
     seen: dict[str, list[list[tuple[int, int]]]] = {}
+    done: set = set()  # a region many parts touch (a weight's) joins the union once
     for name, ivs in _regions(t, parts):
+        if (name, ivs) in done:
+            continue
+        done.add((name, ivs))
         dims = seen.setdefault(name, [[] for _ in ivs])
         for into, d in zip(dims, ivs):
             into.extend(d)
@@ -173,13 +192,28 @@ def _localize(t: Transformed, parts: dict[str, list[Part]], boxes: dict[str, Box
               ) -> dict[str, list[Part]]:
     """Each part's regions shifted to the micro-batch's box (local coordinates)."""
     out = {}
+    shifted: dict = {}  # (tensor, region) -> local region: many parts read the same region
+    by_sub: dict = {}   # id(sub) -> (sub, local sub): parts that share a sub-operator
+
+    def shift(name, ivs):
+        key = (name, ivs)
+        found = shifted.get(key)
+        if found is None:
+            found = shifted[key] = _shift(ivs, boxes[name])
+        return found
+
     for op in t.graph.ops:
         local = []
         for p in parts[op.name]:
-            ins = tuple(None if ivs is None else _shift(ivs, boxes[n])
-                        for n, ivs in zip(op.inputs, p.sub.inputs))
-            outs = tuple(_shift(ivs, boxes[n]) for n, ivs in zip(op.outputs, p.sub.outputs))
-            local.append(attrs.evolve(p, sub=attrs.evolve(p.sub, inputs=ins, outputs=outs)))
+            sub = p.sub
+            done = by_sub.get(id(sub))
+            if done is None or done[0] is not sub:
+                ins = tuple(None if ivs is None else shift(n, ivs)
+                            for n, ivs in zip(op.inputs, sub.inputs))
+                outs = tuple(shift(n, ivs) for n, ivs in zip(op.outputs, sub.outputs))
+                done = by_sub[id(sub)] = (sub, SubOp(ins, outs, sub.value, sub.local))
+            local.append(Part(p.op, p.index, p.replica, p.ranges, done[1], p.device, p.span,
+                              p.assigned_at))
         out[op.name] = local
     return out
 
@@ -188,12 +222,20 @@ def _check_same(first: dict[str, list[Part]], other: dict[str, list[Part]], k: i
                 d: Microbatch) -> None:
     for op, ps in first.items():
         for a, b in zip(ps, other[op]):
-            if _same_shape(a.sub) != _same_shape(b.sub) or a.device != b.device:
+            if a.device != b.device or not _same_sub(a.sub, b.sub):
                 raise UnevenMicrobatches(
                     f"micro-batch {k} of operator '{op}' differs from micro-batch 0 (part "
                     f"{a.index}): the batch does not split into {d.count} equal micro-batches "
                     "here", d.span, hint="choose a micro-batch count that divides the batch "
                     "of every part")
+
+
+def _same_sub(a: SubOp, b: SubOp) -> bool:
+    """``_same_shape(a) == _same_shape(b)``, without building either."""
+    return a is b or (a.inputs == b.inputs and a.outputs == b.outputs and a.local == b.local
+                      and len(a.value) == len(b.value)
+                      and all(la == lb and x1 - x0 == y1 - y0 for (la, (x0, x1)), (lb, (y0, y1))
+                              in zip(a.value, b.value)))
 
 
 def _same_shape(sub):
