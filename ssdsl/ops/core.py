@@ -225,10 +225,81 @@ class Annotation:
         value = tuple((n, r) for n, r in ranges.items()
                       if labels[n].mark == "reduced" and r != (0, labels[n].size))
         return SubOp(
-            inputs=tuple(region_of(sig, ranges) if i in needed else None
+            inputs=tuple(self._region(sig, ranges) if i in needed else None
                          for i, sig in enumerate(self.inputs)),
-            outputs=tuple(region_of(sig, ranges) for sig in self.outputs),
+            outputs=tuple(self._region(sig, ranges) for sig in self.outputs),
             value=value, local=local)
+
+    def partition_along(self, call: Call, label: str, ranges: Sequence[Mapping[str, Interval]]
+                        ) -> list[SubOp]:
+        """``[self.partition(call, r) for r in ranges]`` where the ``ranges`` differ only in
+        ``label``'s interval (a part cut into micro-batches): the first is derived in full, the
+        others reuse every region dim without ``label`` and recompute only the dims with it."""
+        if not ranges:
+            return []
+        first = self.partition(call, ranges[0])
+        out = [first]
+        labels = self._labels()
+        slotted, kwargs = _slotted_once(call.op)
+        needed_first = first.local.slots()
+        for r in ranges[1:]:
+            for name, (start, stop) in r.items():  # the others passed for the first already
+                if name == label:
+                    _check_range(call, labels, name, start, stop)
+            local = self.lower(call, self, r, slotted, dict(kwargs))
+            needed = needed_first if local == first.local else local.slots()
+            value = tuple((n, x) for n, x in r.items()
+                          if labels[n].mark == "reduced" and x != (0, labels[n].size))
+            ins = tuple(self._region_along(sig, label, r, had) if i in needed else None
+                        for i, (sig, had) in enumerate(zip(self.inputs, first.inputs)))
+            outs = tuple(self._region_along(sig, label, r, had)
+                         for sig, had in zip(self.outputs, first.outputs))
+            out.append(SubOp(inputs=ins, outputs=outs, value=value, local=local))
+        return out
+
+    def _region_along(self, sig: Sig, label: str, ranges: Mapping[str, Interval],
+                      had: Region | None) -> Region:
+        """``region_of(sig, ranges)`` given ``had``, the region for ranges that differ only in
+        ``label`` (None: not known)."""
+        if had is None:
+            return self._region(sig, ranges)
+        kinds = self._memo.get(("along", id(sig), label))
+        if kinds is None or kinds[0] is not sig:
+            # the dims of the label alone, and the dims where it is among other factors; the
+            # other dims do not change
+            kinds = (sig, tuple(i for i, dim in enumerate(sig)
+                                if len(dim) == 1 and dim[0].label == label),
+                     tuple(i for i, dim in enumerate(sig)
+                           if len(dim) > 1 and any(f.label == label for f in dim)))
+            self._memo[("along", id(sig), label)] = kinds
+        _, alone, among = kinds
+        if not alone and not among:
+            return had
+        out = list(had)
+        for i in alone:
+            start, stop = ranges.get(label, (0, sig[i][0].size))
+            out[i] = ((start, stop),)
+        for i in among:
+            out[i] = dim_intervals(sig[i], ranges)
+        return tuple(out)
+
+    def _region(self, sig: Sig, ranges: Mapping[str, Interval]) -> Region:
+        """``region_of(sig, ranges)``, remembered by the ranges of ``sig``'s own labels: the parts
+        of an op mostly differ in a few labels, and a tensor without them keeps its region."""
+        regions = self._memo.get("regions")
+        if regions is None:
+            regions = self._memo["regions"] = {}
+        labels = regions.get(id(sig))
+        if labels is None or labels[0] is not sig:  # the sig is held by self: ids stay unique
+            labels = regions[id(sig)] = (sig, tuple(f.label for dim in sig for f in dim))
+        try:
+            key = (id(sig), *map(ranges.get, labels[1]))
+            found = regions.get(key)
+        except TypeError:  # unhashable ranges (a list): not remembered
+            return region_of(sig, ranges)
+        if found is None:
+            found = regions[key] = region_of(sig, ranges)
+        return found
 
     def split(self, call: Call, label: str, parts: int, index: int) -> SubOp:
         """Part ``index`` of ``parts`` equal parts of ``label`` (see ``partition``)."""

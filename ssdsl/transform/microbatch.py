@@ -110,18 +110,15 @@ def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Micro
     call = memo.get("call")
     if call is None:
         call = memo["call"] = call_of(t.graph, t.graph.op(part.op))
-    out = []
-    for r in ranges:
-        key = tuple(sorted(r.items()))
-        sub = memo.get(key)
-        if sub is None:
-            try:
-                sub = memo[key] = ann.partition(call, r)
-            except SsdslError as err:
-                raise _at(err, d.span) from None
-        out.append(Part(part.op, part.index, part.replica, key, sub, part.device, part.span,
-                        part.assigned_at))
-    return out
+    keys = [tuple(sorted(r.items())) for r in ranges]
+    subs = memo.get(tuple(keys))
+    if subs is None:
+        try:
+            subs = memo[tuple(keys)] = ann.partition_along(call, label, ranges)
+        except SsdslError as err:
+            raise _at(err, d.span) from None
+    return [Part(part.op, part.index, part.replica, key, sub, part.device, part.span,
+                 part.assigned_at) for key, sub in zip(keys, subs)]
 
 
 def _regions(t: Transformed, parts: dict[str, list[Part]]):
@@ -173,6 +170,10 @@ def _merge(intervals: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 def _to_local(ivs, union) -> tuple[tuple[int, int], ...]:
     """``ivs`` (inside ``union``) renumbered by position within ``union``."""
+    if len(union) == 1:  # one block (the usual box): a plain shift
+        lo, hi = union[0]
+        if all(lo <= a and b <= hi for a, b in ivs):
+            return tuple((a - lo, b - lo) for a, b in ivs)
     out = []
     for a, b in ivs:
         offset = 0
@@ -184,22 +185,26 @@ def _to_local(ivs, union) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _shift(ivs, box: Box):
-    return tuple(_to_local(d, u) for d, u in zip(ivs, box))
-
-
 def _localize(t: Transformed, parts: dict[str, list[Part]], boxes: dict[str, Box]
               ) -> dict[str, list[Part]]:
     """Each part's regions shifted to the micro-batch's box (local coordinates)."""
     out = {}
     shifted: dict = {}  # (tensor, region) -> local region: many parts read the same region
+    per_dim: dict = {}  # (id(union), intervals) -> local intervals: fewer still differ per dim
     by_sub: dict = {}   # id(sub) -> (sub, local sub): parts that share a sub-operator
+
+    def dim(ivs, union):
+        key = (id(union), ivs)  # every union is held by ``boxes`` for the whole loop
+        found = per_dim.get(key)
+        if found is None:
+            found = per_dim[key] = _to_local(ivs, union)
+        return found
 
     def shift(name, ivs):
         key = (name, ivs)
         found = shifted.get(key)
         if found is None:
-            found = shifted[key] = _shift(ivs, boxes[name])
+            found = shifted[key] = tuple(map(dim, ivs, boxes[name]))
         return found
 
     for op in t.graph.ops:
