@@ -141,7 +141,8 @@ class Annotation:
     in an input or is in ``generated`` (the op makes that dim itself, e.g. ``arange``, an
     ``expand``ed dim); a label only in inputs is *reduced* when listed in ``reduced`` (parts give
     partial sums); every other label, and every label in ``frozen``, cannot be split.
-    ``names`` gives the flowing name an op introduces for a label (attention's heads).
+    ``names`` gives the flowing name an op introduces for a label (attention's heads);
+    ``words`` gives plain words a plan may use for a label (a linear's ``out`` and ``in``).
     """
 
     inputs: tuple[Sig, ...]
@@ -150,6 +151,7 @@ class Annotation:
     generated: frozenset[str] = frozenset()
     frozen: Mapping[str, str] = attrs.field(converter=MappingProxyType, factory=dict)
     names: Mapping[str, str] = attrs.field(converter=MappingProxyType, factory=dict)
+    words: Mapping[str, str] = attrs.field(converter=MappingProxyType, factory=dict)
     lower: LowerFn = attrs.field(default=keep_args, eq=False)
     # sizes() and labels(), derived once: the transform asks for them once per part (a value of
     # a frozen annotation, so never stale; not a field that compares or prints)

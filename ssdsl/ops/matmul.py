@@ -37,6 +37,11 @@ def _drop_bias_outside_first(bias_pos: int, name: str):
     return lower
 
 
+# Megatron's vocabulary: a column-parallel linear splits its output features, a row-parallel one
+# its input features (the contracted dim: partial sums).
+FEATURE_WORDS = {"out": "n", "in": "k"}
+
+
 @register("aten.linear.default")
 def linear(call: Call) -> Annotation:
     x, w = call.shape(0, "input"), call.shape(1, "weight")
@@ -46,7 +51,7 @@ def linear(call: Call) -> Annotation:
     if call.arg(2, "bias") is not None:
         ins.append(((Factor("n", n),),))
     return Annotation(tuple(ins), ((*bout, (Factor("n", n),)),), reduced=frozenset({"k"}),
-                      lower=_drop_bias_outside_first(2, "bias"))
+                      words=FEATURE_WORDS, lower=_drop_bias_outside_first(2, "bias"))
 
 
 @register("aten.matmul.default", "aten.mm.default", "aten.bmm.default")
@@ -78,7 +83,7 @@ def addmm(call: Call) -> Annotation:
     bias_sig = tuple(tuple(Factor(_rename(f.label, out), f.size) for f in d) for d in bias_sig)
     return Annotation((bias_sig, (*sa, (Factor("m", m),), (Factor("k", k),)),
                        (*sb, (Factor("k", k),), (Factor("n", n),))), (out,),
-                      reduced=frozenset({"k"}), lower=_drop_addmm_bias)
+                      reduced=frozenset({"k"}), words=FEATURE_WORDS, lower=_drop_addmm_bias)
 
 
 def _rename(label: str, out) -> str:

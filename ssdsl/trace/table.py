@@ -32,7 +32,9 @@ def _row(graph: Graph, op: Op) -> dict[str, Any]:
 
 
 def _dims(ann: Annotation) -> list[dict[str, Any]]:
-    return [{"label": lab.name, "name": ann.names.get(lab.name), "size": lab.size,
+    words = {label: word for word, label in ann.words.items()}
+    return [{"label": lab.name, "name": ann.names.get(lab.name) or words.get(lab.name),
+             "size": lab.size,
              "mark": lab.mark, **({"reason": lab.reason} if lab.reason else {})}
             for lab in ann.labels().values()]
 

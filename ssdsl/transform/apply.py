@@ -17,9 +17,6 @@ from ssdsl.transform.errors import (
 from ssdsl.transform.parts import Part, Transformed, row_major, split_ranges, whole_part
 from ssdsl.transform.select import part_prefix, select_ops
 
-# Dim words a plan may use for an operator's own dims, beside flowing names and raw labels:
-# ``in``/``out`` are a linear's input and output features (Megatron's row/column split).
-DIM_WORDS = {"linear": {"in": "k", "out": "n"}, "addmm": {"in": "k", "out": "n"}}
 
 
 class _Builder:
@@ -100,8 +97,7 @@ class _Builder:
         if isinstance(ann, NotAnnotated):
             return None
         labels = ann.labels()
-        op = self.graph.op(name)
-        dim = DIM_WORDS.get(op.kind, {}).get(dim, dim)
+        dim = ann.words.get(dim, dim)
         for cand in (dim, ann.label_for(dim), f"{dim}.0"):
             if cand and cand in labels:
                 return cand
