@@ -90,3 +90,19 @@ def test_save_writes_a_single_device_state_dict_and_never_overwrites(capsys, tmp
     assert main(["run", GPT, "dp", "--nproc", "2", "--steps", "1", "--save", str(out)]) == 2
     assert "does not overwrite" in capsys.readouterr().err
     assert out.read_bytes() == before
+
+
+def test_under_torchrun_each_process_is_one_rank():
+    """`torchrun -m ssdsl run ...`: the path past one machine; rank 0 prints the verdict."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "ssdsl", "run", MLP, "dp", "--steps", "2", "--check", *EXACT, "--json"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert out["nproc"] == 2 and out["ok"] is True
