@@ -112,16 +112,17 @@ def test_dp_gradients_are_one_all_reduce_per_bucket(p: int) -> None:
     m = build("dp", p)
     acc = m.accounting()
     assert acc["forward"] == {}
-    # every weight but the position embedding's is read by batch-split parts: one bucket
-    # (under 25 MiB) summed across all p devices
-    grad_bytes = (s["params"] - s["wpe"]) * ITEM
+    # every weight's gradient is a contribution from each batch part: one bucket (under 25 MiB)
+    # summed across all p devices. The position embedding has no batch dim, so its op is
+    # replicated; its backward runs on each device's partial output gradient, and the sum is
+    # taken on its weight gradient, in the same bucket, not on the (T, C) activation gradient.
+    grad_bytes = s["params"] * ITEM
     assert acc["gradients"] == {"all_reduce": {"count": 1, "bytes": 2 * (p - 1) * grad_bytes}}
     assert [b.devices for b in m.reducer.buckets] == [tuple(range(p))]
-    # the position embedding has no batch dim: its op is replicated, and the gradient of its
-    # (T, C) output, a contribution from each batch part, is summed once in backward instead
-    assert acc["backward"] == {"all_reduce": {"count": 1, "bytes": 2 * (p - 1) * s["T"] * s["C"]
-                                              * ITEM}}
-    assert acc["total_bytes"] == 2 * (p - 1) * (grad_bytes + s["T"] * s["C"] * ITEM)
+    assert acc["backward"] == {}
+    assert acc["total_bytes"] == 2 * (p - 1) * grad_bytes
+    verdict = verify_plan(m, model_file=gpt()[0])
+    assert verdict.ok, verdict.problems
 
 
 def test_dp_buckets_split_by_size_and_move_the_same_bytes() -> None:
@@ -130,10 +131,9 @@ def test_dp_buckets_split_by_size_and_move_the_same_bytes() -> None:
     weights = [Weight(name, region.shape, F64, ((0, region), (1, region)))
                for b in m.reducer.buckets for name, region in b.entries]
     one_each = plan_grad_reducer(weights, bucket_bytes=0)
-    n_weights = sum(1 for _ in gpt()[2].parameters()) - 1  # all but wpe (tied weights once)
+    n_weights = sum(1 for _ in gpt()[2].parameters())  # tied weights once
     assert len(one_each.buckets) == n_weights
-    assert one_each.accounting() == {
-        "all_reduce": (n_weights, 2 * (s["params"] - s["wpe"]) * ITEM)}
+    assert one_each.accounting() == {"all_reduce": (n_weights, 2 * s["params"] * ITEM)}
     largest = max(b.size for b in one_each.buckets)
     some = plan_grad_reducer(weights, bucket_bytes=largest)
     assert 1 < len(some.buckets) < n_weights
@@ -180,20 +180,18 @@ def test_dp_tp_volume_is_megatron_per_dp_group_plus_dp_gradient_sums() -> None:
     act = (s["B"] // dp) * s["T"] * s["C"] * ITEM  # one dp group's activation
     n_ar = 2 * s["L"] * dp
     assert acc["forward"] == {"all_reduce": {"count": n_ar, "bytes": n_ar * 2 * (tp - 1) * act}}
-    # backward: Megatron's f in each dp group, and the position embedding's output gradient
-    # summed across the dp groups, once per tp rank
-    wpe_out = 2 * (dp - 1) * s["T"] * s["C"] * ITEM
-    assert acc["backward"] == {"all_reduce": {"count": n_ar + tp,
-                                              "bytes": n_ar * 2 * (tp - 1) * act + tp * wpe_out}}
+    # backward: Megatron's f in each dp group, nothing else (the position embedding's partial
+    # output gradients are summed on its weight, with the other weights)
+    assert acc["backward"] == {"all_reduce": {"count": n_ar, "bytes": n_ar * 2 * (tp - 1) * act}}
     # weights: summed over dp, one bucket per tp rank. A tp rank holds its shard of the split
     # weights (the row-parallel biases live on tp rank 0 only) and all of the replicated ones
-    # (token embedding / LM head, layer norms), so the tp ranks together hold every weight once
-    # plus tp - 1 more copies of the replicated ones.
+    # (token and position embeddings / LM head, layer norms), so the tp ranks together hold every
+    # weight once plus tp - 1 more copies of the replicated ones.
     net = gpt()[2]
-    replicated = net.wte.weight.numel() + sum(
+    replicated = net.wte.weight.numel() + net.wpe.weight.numel() + sum(
         p.numel() for mod in net.modules() if isinstance(mod, torch.nn.LayerNorm)
         for p in mod.parameters())
-    held = (s["params"] - s["wpe"]) + (tp - 1) * replicated
+    held = s["params"] + (tp - 1) * replicated
     assert acc["gradients"] == {"all_reduce": {"count": tp,
                                                "bytes": 2 * (dp - 1) * held * ITEM}}
     assert sorted(b.devices for b in m.reducer.buckets) == [(0, 2), (1, 3)]

@@ -107,6 +107,7 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     g = t.graph
     sources = source_names(t)
     producer = g.producer()
+    partial = {} if schedule is not None else partial_gradient_replicas(t)
     edges: dict[tuple[str, str, int], Edge] = {}
     reads: dict[tuple[str, str, int, int], Part] = {}
     for op in g.ops:
@@ -118,8 +119,8 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
                 continue
             edges[(name, op.name, slot)] = Edge(name, op.name, slot,
                                                 _edge_adapter(t, producer[name], name, readers,
-                                                              slot, dtype))
-    weights, scales = _weights(t, reads, dtype)
+                                                              slot, dtype, partial))
+    weights, scales = _weights(t, reads, dtype, partial)
     uses = {key: SourceUse(key[0], _region(t, key[0], p.sub.inputs[key[2]]), scales.get(key, 1.0))
             for key, p in reads.items()}
     return Materialized(t, edges, uses, plan_grad_reducer(weights), dtype, schedule)
@@ -130,19 +131,104 @@ def _region(t: Transformed, tensor: str, intervals, part: tuple[int, int] = (0, 
 
 
 def _edge_adapter(t: Transformed, producer_op, tensor: str, readers: list[Part], slot: int,
-                  dtype: torch.dtype) -> Adapter:
+                  dtype: torch.dtype, partial: Mapping[str, Mapping[int, tuple[int, int]]]
+                  ) -> Adapter:
     j = producer_op.outputs.index(tensor)
     sizes = t.label_sizes(producer_op.name)
+    parts = t.parts[producer_op.name]
     producers = [(p.device, _region(t, tensor, p.sub.outputs[j], p.value_part(sizes)))
-                 for p in t.parts[producer_op.name]]
+                 for p in parts]
     consumers = [(c.device, _region(t, tensor, c.sub.inputs[slot])) for c in readers]
-    grads = [(c.device, _region(t, tensor, c.sub.inputs[slot], t.grad_value_part(c, slot)))
+    grads = [(c.device, _region(t, tensor, c.sub.inputs[slot], _grad_part(t, c, slot, partial)))
              for c in readers]
+    grad_producers = None
+    if producer_op.name in partial:
+        # replicas that take their device's partial gradient as it is (no sum here)
+        grad_producers = [(p.device, _region(t, tensor, p.sub.outputs[j],
+                                             partial[producer_op.name][p.device])) for p in parts]
     # Integer tensors (token ids, targets) cross devices as they are; floats in the run's dtype.
     declared = getattr(torch, t.graph.tensors[tensor].dtype.removeprefix("torch."), dtype)
     if isinstance(declared, torch.dtype) and not declared.is_floating_point:
         dtype = declared
-    return plan_adapter(t.shape(tensor), dtype, producers, consumers, grad_consumers=grads)
+    return plan_adapter(t.shape(tensor), dtype, producers, consumers, grad_consumers=grads,
+                        grad_producers=grad_producers)
+
+
+def _grad_part(t: Transformed, part: Part, slot: int,
+               partial: Mapping[str, Mapping[int, tuple[int, int]]]) -> tuple[int, int]:
+    """``(k, V)`` of the gradient ``part`` computes for input ``slot``."""
+    if part.op in partial:
+        return partial[part.op][part.device]
+    return t.grad_value_part(part, slot)
+
+
+def partial_gradient_replicas(t: Transformed) -> dict[str, dict[int, tuple[int, int]]]:
+    """Replicated operators whose backward can run on partial output gradients, per device.
+
+    Backward is linear in the output gradient, so a replica fed the k-th of V partial gradients
+    computes the k-th partial of its input gradients: the sum can wait until the weights (the
+    reducer) instead of being taken on the activation. Under ``dp``, the position embedding has
+    no batch dim and is replicated; its output gradient is a partial sum on each device, and this
+    saves the all-reduce of that activation gradient: the weight's gradient, reduced anyway,
+    carries the sum. An operator qualifies when its parts are replicas of one part, one per
+    device, no output is the loss, and every consumer of its outputs gives, on each device, the
+    same partial index (k of V) with V > 1 and every k present (decided from the loss backwards),
+    and every floating input it reads is a source or the output of another such operator.
+    """
+    consumers = t.graph.consumers()
+    producer = t.graph.producer()
+    allowed = {op.name for op in t.graph.ops}
+    while True:
+        found = _partial_pass(t, consumers, allowed)
+        # Worth it only where the partial gradients end at weights: an input gradient that
+        # another (non-qualifying) operator needs whole would just move the sum upstream.
+        bad = {name for name in found for op in (t.graph.op(name),) for inp in op.inputs
+               if inp in producer and _is_float(t, inp) and producer[inp].name not in found}
+        if not bad:
+            return found
+        allowed -= bad
+
+
+def _is_float(t: Transformed, tensor: str) -> bool:
+    return "float" in t.graph.tensors[tensor].dtype or "complex" in t.graph.tensors[tensor].dtype
+
+
+def _partial_pass(t: Transformed, consumers, allowed: set[str]
+                  ) -> dict[str, dict[int, tuple[int, int]]]:
+    found: dict[str, dict[int, tuple[int, int]]] = {}
+    for op in reversed(t.graph.ops):
+        if op.name not in allowed:
+            continue
+        parts = t.parts[op.name]
+        devices = [p.device for p in parts]
+        if (len(parts) < 2 or len({p.partition_index for p in parts}) != 1
+                or len(set(devices)) != len(devices) or t.graph.output in op.outputs):
+            continue
+        per_device = _consumer_partials(t, op, consumers, found)
+        if per_device is None or set(per_device) != set(devices):
+            continue
+        vs = {v for _, v in per_device.values()}
+        if len(vs) == 1 and (v := vs.pop()) > 1 and {k for k, _ in per_device.values()} == set(
+                range(v)):
+            found[op.name] = per_device
+    return found
+
+
+def _consumer_partials(t: Transformed, op, consumers, found) -> dict[int, tuple[int, int]] | None:
+    """Device -> the one partial index all consumers of ``op``'s outputs give there, or None."""
+    per_device: dict[int, tuple[int, int]] = {}
+    for tensor in op.outputs:
+        for consumer in consumers.get(tensor, ()):
+            for slot, name in enumerate(consumer.inputs):
+                if name != tensor:
+                    continue
+                for c in t.parts[consumer.name]:
+                    if c.sub.inputs[slot] is None:
+                        continue
+                    kv = _grad_part(t, c, slot, found)
+                    if kv[1] == 1 or per_device.setdefault(c.device, kv) != kv:
+                        return None
+    return per_device
 
 
 def _replicas(t: Transformed, part: Part, slot: int) -> int:
@@ -152,8 +238,18 @@ def _replicas(t: Transformed, part: Part, slot: int) -> int:
                if p.partition_index == part.partition_index and p.sub.inputs[slot] == region)
 
 
+def _copies(t: Transformed, part: Part, slot: int,
+            partial: Mapping[str, Mapping[int, tuple[int, int]]]) -> int:
+    """How many devices hold a copy of ``part``'s gradient contribution to input ``slot``."""
+    if part.op in partial:
+        mine = partial[part.op][part.device]
+        return sum(1 for kv in partial[part.op].values() if kv == mine)
+    return _replicas(t, part, slot)
+
+
 def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int], Part],
-             dtype: torch.dtype) -> tuple[list[Weight], dict[tuple, float]]:
+             dtype: torch.dtype, partial: Mapping[str, Mapping[int, tuple[int, int]]] = {}
+             ) -> tuple[list[Weight], dict[tuple, float]]:
     """The reducer's weights, and the gradient scale of each parameter read.
 
     Devices holding a region of a parameter fall into classes whose gradient contributions are
@@ -168,8 +264,9 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int], Part],
         if name not in t.graph.params:
             continue
         region = _region(t, name, p.sub.inputs[slot])
-        holders.setdefault((name, region), {}).setdefault(device, []).append(
-            (op, slot, p.partition_index))
+        # a partial-gradient replica contributes its partial k: devices with the same k hold copies
+        who = ("partial", partial[op][device]) if op in partial else p.partition_index
+        holders.setdefault((name, region), {}).setdefault(device, []).append((op, slot, who))
     weights: list[Weight] = []
     scales: dict[tuple, float] = {}
     for (name, region), by_device in holders.items():
@@ -186,7 +283,7 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int], Part],
         weights.append(Weight(name, shape, dtype, tuple((d, region) for d in sorted(by_device))))
         for key, p in reads.items():
             if key[0] == name and _region(t, name, p.sub.inputs[key[2]]) == region:
-                scales[key] = 1.0 / _replicas(t, p, key[2])
+                scales[key] = 1.0 / _copies(t, p, key[2], partial)
     return weights, scales
 
 
