@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from ssdsl.cli.check import parse_sets
 from ssdsl.errors import UsageError
 
 
@@ -37,16 +38,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _sets(items: list[str]) -> tuple[tuple[str, str], ...]:
-    out = []
-    for item in items:
-        name, eq, value = item.partition("=")
-        if not eq or not name.strip():
-            raise UsageError(f"--set expects NAME=VALUE, got {item!r}")
-        out.append((name.strip(), value.strip()))
-    return tuple(out)
-
-
 def run(args: argparse.Namespace) -> int:
     # Imported here: the runtime pulls in torch.distributed, which other commands do not need.
     from ssdsl.runtime.job import DTYPES, JobSpec, plan_job, rank_main
@@ -62,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save and Path(args.save).exists():
         raise UsageError(f"--save: {args.save} exists; ssdsl does not overwrite files",
                          hint="choose a new file name or remove the old one")
-    spec = JobSpec(args.model, args.plan, _sets(args.set), args.steps, args.batch_size,
+    spec = JobSpec(args.model, args.plan, tuple(parse_sets(args.set).items()), args.steps, args.batch_size,
                    args.seed, args.dtype, args.optimizer, args.lr)
     if under_torchrun():
         result = rank_main(spec)
@@ -101,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
         import json
         out = {"model": args.model, "plan": args.plan, "nproc": nproc, "steps": args.steps,
                "losses": result["losses"], "accounting": result["accounting"],
-               "ranks": [r.__dict__ if hasattr(r, "__dict__") else _asdict(r)
-                         for r in result["ranks"]],
+               "ranks": [_asdict(r) for r in result["ranks"]],
                "check": verdict.as_dict() if verdict else None,
                "ok": None if verdict is None else verdict.ok}
         print(json.dumps(out, indent=2, default=str))
