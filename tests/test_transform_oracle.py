@@ -25,11 +25,12 @@ from hypothesis import strategies as st
 from ssdsl.elaborate import elaborate_file, elaborate_text
 from ssdsl.errors import ErrorGroup, SsdslError
 from ssdsl.ir.graph import Graph, Op
-from ssdsl.ir.interpret import call_target, run_op
+from ssdsl.ir.interpret import call_target, run_op, with_step_values
 from ssdsl.ir.region import Region
 from ssdsl.trace import trace
 from ssdsl.trace.model_file import load_model_file
 from ssdsl.transform import Part, Transformed, transform
+from ssdsl.transform.normalize import normalize_losses
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # hand-written plans beside the stdlib ones (whose defaults fit gpt.py's GPT-2 module names)
@@ -43,7 +44,8 @@ def model(name: str) -> tuple[Graph, dict[str, torch.Tensor]]:
     if name not in _MODELS:
         mf = load_model_file(EXAMPLES / f"{name}.py")
         net = mf.build(seed=0)
-        graph = trace(mf, device="cpu", model=net)
+        # the loss normalization made explicit, as the transform does (its graph is this one)
+        graph = normalize_losses(trace(mf, device="cpu", model=net))
         _MODELS[name] = graph, _values(graph, mf, net)
     return _MODELS[name]
 
@@ -51,7 +53,7 @@ def model(name: str) -> tuple[Graph, dict[str, torch.Tensor]]:
 def _values(graph: Graph, mf, net: torch.nn.Module) -> dict[str, torch.Tensor]:
     state = {**dict(net.named_parameters()), **dict(net.named_buffers())}
     inputs, target = mf.get_batch(0)
-    env = dict(zip(graph.inputs, (*inputs, target), strict=True))
+    env = dict(zip(graph.inputs, with_step_values(graph, (*inputs, target)), strict=True))
     for t, q in {**graph.params, **graph.buffers}.items():
         env[t] = state[q] if q in state else state[graph.aliases[q][0]]
     env.update(graph.constants)

@@ -121,6 +121,12 @@ class Graph:
     ("lm_head.weight",)}``). torch.export may list a tied parameter once or once per name: two
     graph tensors whose qualified names are aliases are ONE parameter (sum their gradients). ``inputs`` are the batch tensors
     (then the target) in call order; ``output`` is the scalar loss.
+
+    ``prologue`` holds operators computed once per step from the whole batch, on every rank,
+    before any part runs (``ssdsl.transform.normalize``: a loss's divisor that counts over the
+    whole batch). The outputs of the prologue that ``ops`` read are *step values*: they follow the
+    batch at the end of ``inputs`` and are sources like it; ``ssdsl.ir.interpret.with_step_values``
+    appends them to a batch. A traced graph has no prologue.
     """
 
     ops: tuple[Op, ...]
@@ -135,6 +141,21 @@ class Graph:
     # buffers), by graph name; values, not compared.
     constants: Mapping[str, Any] = attrs.field(converter=MappingProxyType, factory=dict,
                                                eq=False, hash=False)
+    prologue: tuple[Op, ...] = ()
+
+    @property
+    def step_values(self) -> tuple[str, ...]:
+        """The inputs the prologue computes (they follow the batch in ``inputs``)."""
+        if not self.prologue:
+            return ()
+        made = {t for op in self.prologue for t in op.outputs}
+        return tuple(t for t in self.inputs if t in made)
+
+    @property
+    def batch_inputs(self) -> tuple[str, ...]:
+        """The inputs a batch gives (``inputs`` without the step values)."""
+        n = len(self.step_values)
+        return self.inputs[:len(self.inputs) - n] if n else self.inputs
 
     def op(self, name: str) -> Op:
         for o in self.ops:

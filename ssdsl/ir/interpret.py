@@ -36,6 +36,21 @@ def run_op(op: Op, env: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(result) if op.returns == "list" else (result,)
 
 
+def with_step_values(graph: Graph, batch: Sequence[Any]) -> tuple[Any, ...]:
+    """``batch`` (one tensor per ``graph.batch_inputs``) followed by the step values its
+    prologue computes from it (``Graph.prologue``); ``batch`` itself when there is none, or when
+    it already holds one tensor per ``graph.inputs``."""
+    batch = tuple(batch)
+    if not graph.prologue or len(batch) == len(graph.inputs):
+        return batch
+    env: dict[str, Any] = dict(zip(graph.batch_inputs, batch, strict=True))
+    env.update(graph.constants)
+    with torch.no_grad():  # data only: no parameter reaches the prologue
+        for op in graph.prologue:
+            env.update(zip(op.outputs, run_op(op, env), strict=True))
+    return batch + tuple(env[t] for t in graph.step_values)
+
+
 def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
               inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """The loss of ``graph`` on ``inputs`` (batch tensors then target) with ``params``.
@@ -43,7 +58,8 @@ def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
     ``params`` maps qualified names (``"h.0.attn.c_attn.weight"``, as in ``model.state_dict()`` or
     ``named_parameters()``) to tensors, buffers included; tied names may be given once.
     """
-    env: dict[str, torch.Tensor] = dict(zip(graph.inputs, inputs, strict=True))
+    env: dict[str, torch.Tensor] = dict(zip(graph.inputs, with_step_values(graph, inputs),
+                                            strict=True))
     for tname, qual in {**graph.params, **graph.buffers}.items():
         env[tname] = _lookup_param(graph, params, qual)
     env.update(graph.constants)
@@ -59,4 +75,4 @@ def _lookup_param(graph: Graph, params: Mapping[str, torch.Tensor], qual: str) -
     raise KeyError(f"no value for parameter or buffer '{qual}'")
 
 
-__all__ = ["run_graph", "run_op", "call_target", "resolve_target", "TensorRef"]
+__all__ = ["run_graph", "run_op", "with_step_values", "call_target", "resolve_target", "TensorRef"]

@@ -117,6 +117,8 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
                 for p in readers:
                     reads[(name, op.name, slot, p.device)] = p
                 continue
+            if not readers:  # only its shape is used (view_as's other): nothing moves
+                continue
             edges[(name, op.name, slot)] = Edge(name, op.name, slot,
                                                 _edge_adapter(t, producer[name], name, readers,
                                                               slot, dtype, partial))

@@ -32,7 +32,7 @@ import torch
 from rich.table import Table
 
 from ssdsl.errors import SsdslError
-from ssdsl.ir.interpret import call_target
+from ssdsl.ir.interpret import call_target, with_step_values
 from ssdsl.ir.region import Region
 from ssdsl.materialize.program import Edge, Materialized, _region
 from ssdsl.materialize.steps import Adapter, PointToPoint
@@ -190,7 +190,8 @@ def simulate_plan(m: Materialized, model_file: ModelFile, *, seed: int = 0,
     _check_simulable(m)
     full = _named_values(model_file.build(seed=seed).to(m.dtype), g)
     inputs, target = model_file.get_batch(0, batch_size)
-    batch = dict(zip(g.inputs, to_dtype((*inputs, target), m.dtype), strict=True))
+    batch = dict(zip(g.inputs, with_step_values(g, to_dtype((*inputs, target), m.dtype)),
+                     strict=True))
     leaves: dict[int, dict[LeafKey, torch.Tensor]] = {}
     env: dict[int, dict[str, torch.Tensor]] = {}
     for op in g.ops:

@@ -1,7 +1,13 @@
-"""Losses. The batch (and any extra target dims) of a mean- or sum-reduced loss is reduced:
-parts give partial sums, a mean part scaled by its share of the elements. The class dim is frozen
-(the softmax inside cross-entropy). Assumes no target equals ``ignore_index`` in a split batch:
-with ignored targets, the mean's denominator is the count of kept ones, which no part knows."""
+"""Losses. The batch (and any extra target dims) of a sum-reduced loss is reduced: parts give
+partial sums. A mean whose divisor is a size (``mse_loss``, cross-entropy against class
+probabilities) is a sum scaled by each part's share of the elements. The class dim is frozen (the
+softmax inside cross-entropy).
+
+A cross-entropy or NLL mean over integer targets divides by the count of targets that are not
+``ignore_index`` (or by their total class weight): that divisor depends on the data, so no part
+knows it, and scaling by a share would be wrong whenever the parts hold different counts. Its
+batch dims are frozen here; the transform rewrites such a loss as its per-target terms divided
+by the whole batch's count, summed (``ssdsl.transform.normalize``), which splits like any sum."""
 
 from __future__ import annotations
 
@@ -29,21 +35,25 @@ def _share(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tu
 def cross_entropy(call: Call) -> Annotation:
     x, t = call.shape(0, "self"), call.shape(1, "target")
     reduction = call.arg(3, "reduction", _MEAN)
+    probabilities = len(t) == len(x)  # class probabilities: a target per class
     if len(x) == 1:  # unbatched: (C,) against ()
-        x_sig, t_sig, rest = ((Factor("C", x[0]),),), (), []
+        x_sig, rest = ((Factor("C", x[0]),),), []
+        t_sig = x_sig if probabilities else ()
     else:
         rest = dims(len(x) - 2, "s")
         x_sig = ((Factor("N", x[0]),), (Factor("C", x[1]),), *plain(rest, x[2:]))
-        t_sig = ((Factor("N", t[0]),), *plain(rest, t[1:]))
+        t_sig = x_sig if probabilities else ((Factor("N", x[0]),), *plain(rest, t[1:]))
     ins = [x_sig, t_sig]
     if call.arg(2, "weight") is not None:
         ins.append(((Factor("C", x[-1] if len(x) == 1 else x[1]),),))
     batch = {"N", *rest} if len(x) > 1 else set()
     frozen = {"C": "the softmax of cross-entropy normalizes over the classes"}
     if reduction == 0:
-        return Annotation(tuple(ins), (t_sig,), frozen=frozen)
-    if call.arg(2, "weight") is not None and reduction == _MEAN:
-        frozen.update({b: "a class-weighted mean divides by a total weight" for b in batch})
+        out = t_sig if not probabilities else (x_sig[:1] + x_sig[2:] if len(x) > 1 else ())
+        return Annotation(tuple(ins), (out,), frozen=frozen)
+    if reduction == _MEAN and not probabilities:
+        frozen.update({b: "the mean divides by the count of targets not ignored, which only the "
+                       "whole batch knows (the transform rewrites it as a sum)" for b in batch})
     lower = lambda c, a, r, args, kw: _share(c, a, r, args, kw, reduction)  # noqa: E731
     return Annotation(tuple(ins), ((),), reduced=frozenset(batch), frozen=frozen, lower=lower)
 

@@ -22,6 +22,24 @@ def view(call: Call) -> Annotation:
     return Annotation((i,), (o,), frozen=frozen, lower=lower_sizes(1, "size"))
 
 
+@register("aten.view_as.default", "aten.reshape_as.default", "aten.expand_as.default")
+def view_as(call: Call) -> Annotation:
+    """``x.view_as(y)``: a view to ``y``'s shape, which is all it reads of ``y``; a part reshapes
+    its piece of ``x`` to its local shape and does not need ``y`` (``expand_as`` likewise)."""
+    (src, _), (dst,) = call.in_shapes, call.out_shapes
+    if call.op.target == "aten.expand_as.default":
+        ann = expand_sigs(src, dst)
+        ins, out, frozen, made = ann
+        target = "aten.expand.default"
+    else:
+        ins, out, frozen = reshape_sigs(src, dst)
+        made, target = frozenset(), "aten.reshape.default"
+
+    def lower(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
+        return LocalCall(target, (args[0], tuple(local_shape(ann.outputs[0], ranges))))
+    return Annotation((ins, out), (out,), frozen=frozen, generated=made, lower=lower)
+
+
 @register("aten.flatten.using_ints")
 def flatten(call: Call) -> Annotation:
     (src,), (dst,) = call.in_shapes, call.out_shapes
@@ -211,17 +229,22 @@ def _lower_slice(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict)
     return LocalCall(call.op.target, args, tuple(kwargs.items()))
 
 
-@register("aten.expand.default")
-def expand(call: Call) -> Annotation:
-    (src,), (dst,) = call.in_shapes, call.out_shapes
+def expand_sigs(src, dst):
+    """Signatures of expanding ``src`` to ``dst``: (input, output, frozen, generated labels)."""
     labels = dims(len(dst))
     offset = len(dst) - len(src)
-    ins = [(Factor(labels[offset + j] if s == dst[offset + j] else f"one{j}", s),)
-           for j, s in enumerate(src)]
+    ins = tuple((Factor(labels[offset + j] if s == dst[offset + j] else f"one{j}", s),)
+                for j, s in enumerate(src))
     made = frozenset(labels[k] for k in range(len(dst))
                      if k < offset or src[k - offset] != dst[k])
-    return Annotation((tuple(ins),), (plain(labels, dst),), generated=made,
-                      lower=lower_sizes(1, "size"))
+    return ins, plain(labels, dst), {}, made
+
+
+@register("aten.expand.default")
+def expand(call: Call) -> Annotation:
+    (src,), (dst,) = call.in_shapes[:1], call.out_shapes
+    ins, out, _, made = expand_sigs(src, dst)
+    return Annotation((ins,), (out,), generated=made, lower=lower_sizes(1, "size"))
 
 
 @register("aten.roll.default")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from torch.utils.checkpoint import checkpoint
 
-from ssdsl.ir.interpret import call_target
+from ssdsl.ir.interpret import call_target, with_step_values
 from ssdsl.ir.region import Region
 from ssdsl.materialize.program import Materialized, UnsupportedPlacement
 from ssdsl.runtime.comm import reduce_gradients, run_adapter, wait_sends
@@ -124,7 +124,7 @@ class RankProgram:
     # ------------------------------------------------------------------ units
     def begin(self, batch: tuple[torch.Tensor, ...]) -> None:
         """Start a step on the whole batch: every micro-batch's slice of the graph inputs."""
-        full = dict(zip(self.graph.inputs, batch, strict=True))
+        full = dict(zip(self.graph.inputs, with_step_values(self.graph, batch), strict=True))
         boxes = self.m.transformed.input_boxes
         self._mbs = {k: _MicroBatch({name: boxes[name][k].slice_of(x) if name in boxes else x
                                      for name, x in full.items()})
@@ -283,7 +283,7 @@ class RankProgram:
     def train_batch(self, batch: tuple[torch.Tensor, ...]) -> float:
         """Forward, backward, gradient reduction and optimizer step on the whole (global) batch
         ``(*inputs, target)``, the same on every rank; returns its loss (same on every rank)."""
-        batch = tuple(to_dtype(tuple(batch), self.dtype))
+        batch = with_step_values(self.graph, to_dtype(tuple(batch), self.dtype))
         self.opt.zero_grad(set_to_none=True)
         if self.pipelined:
             self.begin(batch)

@@ -14,6 +14,7 @@ from ssdsl.source import Span
 from ssdsl.transform.errors import (
     BadDevice, EmptySelection, UnsupportedDirective, MissingDim, PartCountMismatch, UnplacedPart,
 )
+from ssdsl.transform.normalize import normalize_losses
 from ssdsl.transform.parts import Part, Transformed, row_major, split_ranges, whole_part
 from ssdsl.transform.select import part_prefix, select_ops
 
@@ -211,8 +212,10 @@ def apply_directives(graph: Graph, directives: Sequence, *, world: int,
     """Apply the spatial directives of a plan to ``graph``; the others are passed on.
 
     Independent faults are reported together; an assign by stage is left for the schedule phase.
+    The graph's loss normalization is made explicit first (``normalize_losses``): the result's
+    ``graph`` is that graph.
     """
-    b = _Builder(graph, world)
+    b = _Builder(normalize_losses(graph), world)
     errors = ErrorCollector()
     deferred = []
     for d in directives:

@@ -84,7 +84,10 @@ def _split(t: Transformed, d: Microbatch) -> list[dict[str, list[Part]]]:
                     f"operator '{op.name}' ({op.kind}, in '{op.module or '<top>'}') reduces over "
                     f"'{d.dim}' and its result is used by later operators: each micro-batch would "
                     f"see only its share", d.span,
-                    hint="micro-batch a model whose only reduction over the batch is the loss")
+                    hint="a loss may divide by a value computed from the batch alone (a count "
+                    "of labelled tokens: summed over the whole batch first, docs/model_file.md); "
+                    "a value that also depends on parameters cannot be summed over micro-batches "
+                    "before they run: use data parallelism for it instead")
             for k, piece in enumerate(pieces):
                 out[k].setdefault(op.name, []).append(piece)
     if not found:

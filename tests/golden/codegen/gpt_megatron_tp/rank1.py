@@ -16,7 +16,7 @@ PLAN_FILE = 'megatron_tp.ssp'
 PLAN_PARAMS = {'tp': 2, 'blocks': 'h.*', 'attn': 'attn', 'attn_out': 'attn.c_proj', 'mlp': 'mlp', 'mlp_out': 'mlp.c_proj', 'placed': True}
 MODEL_FILE = 'gpt.py'
 SSDSL_VERSION = '0.1.0'
-DIGEST = '16c70db4bb0c1515'
+DIGEST = '9c56a73ee453f79c'
 
 # -- shards --------------------------------------------------------------------------------
 # Parameter shards this rank holds: (graph tensor, qualified name, region).
@@ -139,5 +139,8 @@ def forward(rt, batch):
     reshape = aten.reshape.default(linear_8, (128, 64))  # (top) part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     batch_1 = batch[1]  # input 1; megatron_tp.ssp:18:1
     reshape_1 = aten.reshape.default(batch_1, (128,))  # (top) part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
-    cross_entropy_loss = aten.cross_entropy_loss.default(reshape, reshape_1)  # (top) part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
+    cross_entropy_loss_terms = aten.cross_entropy_loss.default(reshape, reshape_1, reduction=0)  # (top) part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
+    cross_entropy_loss_count = batch[2]  # input 2; megatron_tp.ssp:18:1
+    cross_entropy_loss_normalized = aten.div.Tensor(cross_entropy_loss_terms, cross_entropy_loss_count)  # (top) part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
+    cross_entropy_loss = aten.sum.default(cross_entropy_loss_normalized)  # (top) part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     return cross_entropy_loss

@@ -16,7 +16,7 @@ PLAN_FILE = 'dp.ssp'
 PLAN_PARAMS = {'n': 2}
 MODEL_FILE = 'mlp.py'
 SSDSL_VERSION = '0.1.0'
-DIGEST = '8afdf642d51412cc'
+DIGEST = 'c3fd83fb476bac8f'
 
 # -- shards --------------------------------------------------------------------------------
 # Parameter shards this rank holds: (graph tensor, qualified name, region).
@@ -56,5 +56,8 @@ def forward(rt, batch):
     reshape = aten.reshape.default(linear_3, (4, 16))  # (top) part (0); dp.ssp:7:1, dp.ssp:8:1
     batch_1 = rt.take(batch[1], '0:4')  # input 1; dp.ssp:7:1
     reshape_1 = aten.reshape.default(batch_1, (4,))  # (top) part (0); dp.ssp:7:1, dp.ssp:8:1
-    cross_entropy_loss = aten.cross_entropy_loss.default(reshape, reshape_1) * 0.5  # (top) part (0); dp.ssp:7:1, dp.ssp:8:1
+    cross_entropy_loss_terms = aten.cross_entropy_loss.default(reshape, reshape_1, reduction=0)  # (top) part (0); dp.ssp:7:1, dp.ssp:8:1
+    cross_entropy_loss_count = batch[2]  # input 2; dp.ssp:7:1
+    cross_entropy_loss_normalized = aten.div.Tensor(cross_entropy_loss_terms, cross_entropy_loss_count)  # (top) part (0); dp.ssp:7:1, dp.ssp:8:1
+    cross_entropy_loss = aten.sum.default(cross_entropy_loss_normalized)  # (top) part (0); dp.ssp:7:1, dp.ssp:8:1
     return cross_entropy_loss
