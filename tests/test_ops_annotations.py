@@ -83,7 +83,25 @@ def _elementwise_samples() -> dict[str, list]:
         "aten.ones_like.default": [([r(4, 6)], {})],
         "aten.full_like.default": [([r(4, 6), 2.0], {})],
         "aten.lift_fresh_copy.default": [([r(4, 6)], {})],
+        "aten.min.other": [([r(4, 6), r(6, seed=2)], {})],
+        "aten.max.other": [([r(4, 6), r(4, 1, seed=2)], {})],
+        "aten.scalar_tensor.default": [([2.5], {"dtype": D})],
+        "aten.copy_.default": [([r(4, 6), r(6, seed=3)], {})],
+        "aten.masked_fill_.Scalar": [([r(4, 6), r(4, 1) > 0, -1.0], {})],
+        "aten.masked_fill_.Tensor": [([r(4, 6), r(6) > 0, torch.tensor(2.0, dtype=D)], {})],
+        "aten.fill_.Scalar": [([r(4, 6), 3.0], {})],
+        "aten.zero_.default": [([r(4, 6)], {})],
+        "aten.clamp_.default": [([r(4, 6), -0.5, 0.5], {})],
+        "aten.clamp_min_.default": [([r(4, 6), 0.0], {})],
+        "aten.clamp_max_.default": [([r(4, 6), 0.0], {})],
     })
+    for n in ["relu", "gelu", "silu", "sigmoid", "tanh", "exp", "neg", "sqrt", "rsqrt", "abs",
+              "reciprocal"]:
+        s[f"aten.{n}_.default"] = [([r(4, 6, positive=n in ("sqrt", "rsqrt"))], {})]
+    for n in ["add", "sub", "mul", "div"]:
+        s[f"aten.{n}_.Tensor"] = [([r(4, 6), r(6, seed=2, positive=True)], {}),
+                                  ([r(4, 6), r(4, 1, seed=3, positive=True)], {})]
+        s[f"aten.{n}_.Scalar"] = [([r(4, 6), 2.0], {})]
     return s
 
 

@@ -35,8 +35,9 @@ def make_call(target: str, args: Sequence[Any], kwargs: Mapping[str, Any] | None
 
     a = tuple(ref(x) for x in args)
     kw = tuple((k, ref(v)) for k, v in (kwargs or {}).items())
-    out = call_target(target, map_tensor_refs(a, lambda r: values[r.name]),
-                      {k: map_tensor_refs(v, lambda r: values[r.name]) for k, v in kw})
+    # a copy: an in-place op must not change the values the parts are cut from
+    out = call_target(target, map_tensor_refs(a, lambda r: values[r.name].clone()),
+                      {k: map_tensor_refs(v, lambda r: values[r.name].clone()) for k, v in kw})
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
     infos = {n: TensorInfo(n, tuple(v.shape), str(v.dtype)) for n, v in values.items()}
     out_names = tuple(f"out{i}" for i in range(len(outs)))
@@ -69,11 +70,17 @@ def _float(t: torch.Tensor) -> bool:
     return t.is_floating_point()
 
 
+def operand(target: str, leaf: torch.Tensor) -> torch.Tensor:
+    """What the call gets for input ``leaf``: an in-place op (``add_``) writes a copy, since
+    autograd forbids writing a leaf that requires a gradient (the gradient reaches the leaf)."""
+    return leaf.clone() if target.split(".")[1].endswith("_") else leaf
+
+
 def run_whole(call: Call, values: Mapping[str, torch.Tensor], seed: int = 0):
     """Outputs and input gradients of the whole op (the oracle)."""
     ins = [values[n].detach().clone().requires_grad_(_float(values[n])) for n in call.op.inputs]
     # by position: a tensor passed twice (cat((x, x))) is two inputs with their own gradients
-    order = iter(ins)
+    order = iter([operand(call.op.target, x) for x in ins])
     args = map_tensor_refs(call.op.args, lambda r: next(order))
     kwargs = {k: map_tensor_refs(v, lambda r: next(order)) for k, v in call.op.kwargs}
     out = call_target(call.op.target, args, kwargs)
@@ -106,7 +113,8 @@ def check_parts(call: Call, ann: Annotation, values: Mapping[str, torch.Tensor],
         full_ins = [values[n] for n in call.op.inputs]
         local = [take(v, r).detach().clone().requires_grad_(_float(v)) if r is not None else None
                  for v, r in zip(full_ins, sub.inputs)]
-        args, kwargs = sub.local.bind(local)
+        args, kwargs = sub.local.bind([operand(call.op.target, x) if x is not None else None
+                                       for x in local])
         out = call_target(sub.local.target, args, kwargs)
         louts = list(out) if isinstance(out, (list, tuple)) else [out]
         if sub.local.scale != 1.0:

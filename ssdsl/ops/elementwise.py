@@ -29,12 +29,31 @@ _targets = (
        "aten.clamp.Tensor", "aten.lerp.Scalar", "aten.lerp.Tensor", "aten.addcmul.default",
        "aten.addcdiv.default", "aten.gelu.default", "aten.fill.Scalar", "aten.zeros_like.default",
        "aten.ones_like.default", "aten.full_like.default", "aten.bitwise_not.default",
-       "aten.float.default"]
+       "aten.float.default", "aten.min.other", "aten.max.other"]
+)
+
+# In-place forms (``x.add_(y)``, ``relu_``, ``masked_fill_``, ``copy_``): annotated as their
+# out-of-place forms, output like the written tensor. A part writes its piece of the local
+# tensor, so the write reaches the tensor it aliases (the base of a slice) only where producer,
+# view and writer sit on the same device with nothing moved between them (docs/operators.md).
+IN_PLACE = (
+    [f"aten.{n}_.default" for n in ["relu", "gelu", "silu", "sigmoid", "tanh", "exp", "neg",
+                                     "sqrt", "rsqrt", "abs", "reciprocal", "zero"]]
+    + [f"aten.{n}_.Tensor" for n in ["add", "sub", "mul", "div"]]
+    + [f"aten.{n}_.Scalar" for n in ["add", "sub", "mul", "div", "fill", "masked_fill"]]
+    + ["aten.masked_fill_.Tensor", "aten.copy_.default", "aten.clamp_.default",
+       "aten.clamp_min_.default", "aten.clamp_max_.default"]
 )
 
 
-@register(*dict.fromkeys(t for t in _targets if t != "aten.float.default"))
+@register(*dict.fromkeys(t for t in [*_targets, *IN_PLACE] if t != "aten.float.default"))
 def elementwise(call: Call) -> Annotation:
     (out,) = call.out_shapes
     ins, sig = broadcast(call.in_shapes, out)
     return Annotation(ins, (sig,))
+
+
+@register("aten.scalar_tensor.default")
+def scalar_tensor(call: Call) -> Annotation:
+    """A 0-dim tensor from a number: nothing to split, made whole by every part."""
+    return Annotation((), ((),))
