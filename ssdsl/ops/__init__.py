@@ -34,7 +34,8 @@ Using it (the transform phase)::
   split, and a mean's parts are scaled by their share (``scale``) so that parts sum to the mean
   (cross-entropy's batch split likewise).
 - Adding operators: one file per family (``elementwise``, ``matmul``, ``reduction``, ``shape``,
-  ``attention``, ``embedding``, ``normalization``, ``loss``, ``convolution``, ``creation``), each
+  ``attention``, ``embedding``, ``normalization``, ``loss``, ``convolution``, ``creation``,
+  ``pooling``), each
   rule a function ``Call -> Annotation`` under ``@register("aten.<op>.<overload>", ...)``; ops that
   can only be replicated are listed with a reason by ``replicate_only`` (``replicate.py``).
 """
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 from ssdsl.ops import (  # noqa: F401  (filling the registry)
     attention, convolution, creation, elementwise, embedding, loss, matmul, normalization,
-    reduction, replicate, shape,
+    pooling, reduction, replicate, shape,
 )
 from ssdsl.ops.annotate import annotate, call_of, label_for_name
 from ssdsl.ops.core import (

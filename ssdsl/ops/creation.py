@@ -31,14 +31,24 @@ def _lower_arange(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict
           "aten.full.default", "aten.new_zeros.default", "aten.new_ones.default",
           "aten.new_full.default", "aten.new_empty.default")
 def filled(call: Call) -> Annotation:
+    """A tensor made from its sizes. ``x.new_zeros(size)`` reads only ``x``'s dtype and device,
+    so a dim of the new tensor with the size of ``x``'s dim at the same position shares its
+    label (the batch of ``labels.new_zeros(labels.shape)`` flows on, as in a decoder's labels
+    shifted right): a part makes its local piece beside its piece of ``x``. ``x``'s other dims
+    are frozen (read whole, for the dtype only)."""
     (shape,) = call.out_shapes
     labels = dims(len(shape))
     new = call.op.target.startswith("aten.new_")
-    ins = (plain(dims(len(call.in_shapes[0]), "x"), call.in_shapes[0]),) if new else ()
-    frozen = {lab: "its source tensor only gives dtype and device" for d in (ins[0] if new else ())
-              for f in d for lab in [f.label]}
-    return Annotation(ins, (plain(labels, shape),), generated=frozenset(labels), frozen=frozen,
-                      lower=lower_sizes(1 if new else 0, "size"))
+    if not new:
+        return Annotation((), (plain(labels, shape),), generated=frozenset(labels),
+                          lower=lower_sizes(0, "size"))
+    src = call.in_shapes[0]
+    aligned = len(src) == len(shape)
+    src_labels = [labels[k] if aligned and s == shape[k] else f"x{k}" for k, s in enumerate(src)]
+    frozen = {lab: "its source tensor only gives dtype and device"
+              for lab in src_labels if lab.startswith("x")}
+    return Annotation((plain(src_labels, src),), (plain(labels, shape),),
+                      generated=frozenset(labels), frozen=frozen, lower=lower_sizes(1, "size"))
 
 
 @register("aten.tril.default", "aten.triu.default")

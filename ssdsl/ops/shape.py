@@ -287,3 +287,40 @@ def index(call: Call) -> Annotation:
     frozen.update({f.label: "an index dim broadcast from size 1"
                    for sig in idx_sigs for d in sig for f in d if "_b" in f.label})
     return Annotation((plain(labels, src), *idx_sigs), (tuple(out),), frozen=frozen)
+
+
+@register("aten.gather.default")
+def gather(call: Call) -> Annotation:
+    """``x.gather(d, idx)``: ``out[.., i, ..] = x[.., idx[.., i, ..], ..]`` along ``d``. Dim ``d`` of
+    ``x`` is looked up (frozen); ``idx`` and the output share every dim. Another dim of ``x``
+    shares the label when ``idx`` has its size (a part reads the same rows of both); a smaller
+    one (``idx`` reads its first entries) is frozen in all three."""
+    src = call.shape(0, "self")
+    d = norm_dim(call.arg(1, "dim"), len(src))
+    idx = call.shape(2, "index")
+    labels = dims(len(idx))
+    x_labels = [f"v{k}" if k == d or s != idx[k] else labels[k] for k, s in enumerate(src)]
+    frozen = {f"v{d}": "looked up by index"}
+    for k, s in enumerate(src):
+        if k != d and s != idx[k]:
+            frozen.update({f"v{k}": "the index reads only its first entries",
+                           labels[k]: "the index reads only the first entries of the input"})
+    return Annotation((plain(x_labels, src), plain(labels, idx)), (plain(labels, idx),),
+                      frozen=frozen)
+
+
+@register("aten.pad.default", "aten.constant_pad_nd.default")
+def pad(call: Call) -> Annotation:
+    """Padding: a padded dim is frozen (the pad sits at the ends of the whole dim); the others,
+    the batch among them, pass through."""
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    amounts = list(call.arg(1, "pad"))
+    labels = dims(len(src))
+    ins, outs = list(plain(labels, src)), list(plain(labels, dst))
+    frozen = {}
+    for j in range(len(amounts) // 2):
+        k = len(src) - 1 - j
+        if amounts[2 * j] or amounts[2 * j + 1] or src[k] != dst[k]:
+            ins[k], outs[k] = (Factor(f"a{k}", src[k]),), (Factor(f"b{k}", dst[k]),)
+            frozen.update({f"a{k}": "padded", f"b{k}": "padded"})
+    return Annotation((tuple(ins),), (tuple(outs),), frozen=frozen)

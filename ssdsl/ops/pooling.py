@@ -1,0 +1,58 @@
+"""Pooling and batch normalization. Each example and each channel is pooled on its own: the
+batch and channel dims are spatial. A pooling window spans neighbouring positions, so the pooled
+dims are frozen, except in a global average pool (``adaptive_avg_pool2d`` to 1 x 1), which is a
+mean over them: parts give partial sums, scaled by their share. Batch normalization in training
+takes its statistics over the batch and the positions: only the channels split."""
+
+from __future__ import annotations
+
+from ssdsl.ops.build import dims, plain
+from ssdsl.ops.core import Annotation, Call, Factor, register
+from ssdsl.ops.reduction import _mean_lower
+
+
+def _split_sigs(shape, pooled: int):
+    """Labels of the leading (independent) dims and of the ``pooled`` trailing dims."""
+    lead = dims(len(shape) - pooled)
+    return lead, [f"h{k}" for k in range(pooled)]
+
+
+@register("aten.adaptive_avg_pool1d.default", "aten.adaptive_avg_pool2d.default",
+          "aten.adaptive_avg_pool3d.default", "aten._adaptive_avg_pool2d.default")
+def adaptive_avg_pool(call: Call) -> Annotation:
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    n = {"1d": 1, "2d": 2, "3d": 3}[call.op.target.split(".")[1][-2:]]
+    lead, pooled = _split_sigs(src, n)
+    ins = plain(lead + pooled, src)
+    if all(s == 1 for s in dst[-n:]):  # global: a mean over the pooled dims
+        outs = (*plain(lead, dst[:-n]), *((Factor(f"one{k}", 1),) for k in range(n)))
+        return Annotation((ins,), (outs,), reduced=frozenset(pooled), lower=_mean_lower)
+    outs = plain(lead + [f"o{k}" for k in range(n)], dst)
+    frozen = {lab: "a pooling window spans neighbouring positions"
+              for lab in (*pooled, *(f"o{k}" for k in range(n)))}
+    return Annotation((ins,), (outs,), frozen=frozen)
+
+
+@register("aten.max_pool1d.default", "aten.max_pool2d.default", "aten.max_pool3d.default",
+          "aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.avg_pool3d.default")
+def pool(call: Call) -> Annotation:
+    (src,), outs_shapes = call.in_shapes, call.out_shapes
+    n = int(call.op.target.split(".")[1][-2])
+    lead, pooled = _split_sigs(src, n)
+    outs = tuple(plain(lead + [f"o{k}" for k in range(n)], s) for s in outs_shapes)
+    frozen = {lab: "a pooling window spans neighbouring positions"
+              for lab in (*pooled, *(f"o{k}" for k in range(n)))}
+    return Annotation((plain(lead + pooled, src),), outs, frozen=frozen)
+
+
+@register("aten.batch_norm.default")
+def batch_norm(call: Call) -> Annotation:
+    x = call.shape(0, "input")
+    labels = dims(len(x))
+    training = bool(call.arg(5, "training", False))
+    why = "batch normalization takes its statistics over the batch and positions" if training \
+        else None
+    frozen = {lab: why for k, lab in enumerate(labels) if k != 1 and why}
+    per_channel = ((Factor(labels[1], x[1]),),)
+    ins = [plain(labels, x)] + [per_channel] * (len(call.op.inputs) - 1)
+    return Annotation(tuple(ins), (plain(labels, x),), frozen=frozen)
