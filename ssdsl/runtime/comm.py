@@ -217,8 +217,11 @@ def run_adapter(adapter: Adapter, rank: int, local: Local, *,
     if rank not in adapter.devices:
         return None
     inputs = [] if local is None else [local] if isinstance(local, torch.Tensor) else list(local)
+    # a consumer-only rank's token asks for a backward only when one is planned: a tensor that
+    # needs no gradient has none, and its producer waits for none
     like = inputs[0] if inputs else torch.empty(
-        0, dtype=adapter.dtype, requires_grad=adapter.dtype.is_floating_point)
+        0, dtype=adapter.dtype,
+        requires_grad=adapter.dtype.is_floating_point and adapter.backward is not None)
     args = inputs if inputs else [like]
     n_out = sum(1 for d, _ in adapter.consumers if d == rank)
     if not inputs:
