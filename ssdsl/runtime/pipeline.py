@@ -15,12 +15,10 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from ssdsl.elaborate.directives import Recompute
 from ssdsl.ir.graph import Op
 from ssdsl.materialize.program import Materialized, UnsupportedPlacement
 from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
 from ssdsl.schedule.units import B, F, Unit
-from ssdsl.transform.select import select_ops
 
 EdgeKey = tuple[str, str, int]
 
@@ -123,10 +121,7 @@ def recompute_ops(m: Materialized) -> frozenset[str]:
     """The operators ``recompute`` statements select, except those next to communication (a
     recomputed receive would receive twice); the same set on every rank."""
     t = m.transformed
-    chosen: set[str] = set()
-    for d in t.deferred:
-        if isinstance(d, Recompute):
-            chosen.update(select_ops(t.graph, d.selector, d.span))
+    chosen = set(t.recompute)  # resolved and checked by the schedule phase
     if not chosen:
         return frozenset()
     producer = {x: op.name for op in t.graph.ops for x in op.outputs}
