@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--check", action="store_true",
                    help="also train the single-device reference and compare")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the check before launch (one step of all ranks simulated in this "
+                   "process against the plain model); the output then says it was skipped")
     p.add_argument("--json", action="store_true", help="print a machine-readable result")
     p.add_argument("--save", metavar="FILE", default=None,
                    help="write the final parameters, merged into one single-device state dict "
@@ -40,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the runtime pulls in torch.distributed, which other commands do not need.
-    from ssdsl.runtime.job import DTYPES, JobSpec, plan_job, rank_main
+    from ssdsl.runtime.job import DTYPES, JobSpec, rank_main
     from ssdsl.runtime.launch import launch, under_torchrun
     from ssdsl.runtime.reference import compare_runs, run_reference, tolerance_for, RunRecord
     from ssdsl.runtime.train import OptimizerSpec
@@ -55,7 +59,13 @@ def run(args: argparse.Namespace) -> int:
                          hint="choose a new file name or remove the old one")
     spec = JobSpec(args.model, args.plan, tuple(parse_sets(args.set).items()), args.steps, args.batch_size,
                    args.seed, args.dtype, args.optimizer, args.lr)
+    from ssdsl.runtime.preflight import verify_before_launch
     if under_torchrun():
+        # every rank verifies (the same, deterministic answer), so that all of them stop together
+        verification = verify_before_launch(spec, int(os.environ["WORLD_SIZE"]),
+                                            enabled=not args.no_verify)
+        if os.environ.get("RANK") == "0":
+            print(verification.line(), file=sys.stderr)
         result = rank_main(spec)
         if result is None:
             return 0
@@ -63,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         nproc = args.nproc or 1
         # Plan once here, exactly as every rank will: a bad model file or plan fails now, once,
-        # with its location and exit status 2, instead of in N processes after they started.
-        plan_job(spec, nproc)
+        # with its location and exit status 2, instead of in N processes after they started;
+        # and verify it against the plain model (DESIGN §7), or say that it was not.
+        verification = verify_before_launch(spec, nproc, enabled=not args.no_verify)
+        print(verification.line(), file=sys.stderr)
         if args.json:
             result = launch(rank_main, nproc=nproc, args=(spec,), timeout_s=args.timeout)[0]
         else:
@@ -94,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
                "losses": result["losses"], "accounting": result["accounting"],
                "ranks": [_asdict(r) for r in result["ranks"]],
                "check": verdict.as_dict() if verdict else None,
+               "verify": verification.as_dict(),
                "ok": None if verdict is None else verdict.ok}
         print(json.dumps(out, indent=2, default=str))
     else:

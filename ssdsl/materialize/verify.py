@@ -285,13 +285,13 @@ def _named_values(model: torch.nn.Module, graph) -> dict[str, torch.Tensor]:
 
 
 def compare_with_model(m: Materialized, model_file: ModelFile, sim: Simulation, *,
-                       seed: int = 0, rtol: float | None = None
+                       seed: int = 0, rtol: float | None = None, batch_size: int | None = None
                        ) -> tuple[list[str], float, float]:
     """Problems of ``sim`` (step 0) against the plain model (``run_reference``), the reference
     loss, and the largest gradient error relative to the largest reference gradient entry."""
     if rtol is None:
         rtol = 1e-9 if m.dtype == torch.float64 else 1e-4
-    ref = run_reference(model_file, steps=1, seed=seed, dtype=m.dtype,
+    ref = run_reference(model_file, steps=1, seed=seed, dtype=m.dtype, batch_size=batch_size,
                         optimizer=OptimizerSpec("sgd"), grad_steps=(0,))
     ref_loss, ref_grads = ref.losses[0], ref.grads[0]
     g = m.transformed.graph
@@ -322,8 +322,8 @@ def _ref_grad(g, ref_grads: Mapping[str, torch.Tensor], name: str) -> torch.Tens
 # -- everything ---------------------------------------------------------------------------------------
 
 
-def verify_plan(m: Materialized, *, seed: int = 0, model_file: ModelFile | None = None
-                ) -> PlanVerdict:
+def verify_plan(m: Materialized, *, seed: int = 0, model_file: ModelFile | None = None,
+                batch_size: int | None = None) -> PlanVerdict:
     """Check every edge (placement, forward, backward) on random data; with ``model_file``, also
     simulate one whole training step and compare it with the plain model (this needs a graph
     traced on the CPU, ``trace(mf, device="cpu", model=...)``: creation ops traced on ``meta``
@@ -339,8 +339,9 @@ def verify_plan(m: Materialized, *, seed: int = 0, model_file: ModelFile | None 
     fallback = tuple(k for k, e in m.edges.items() if uses_fallback(e.adapter))
     loss = ref_loss = worst = None
     if model_file is not None:
-        sim = simulate_plan(m, model_file, seed=seed)
-        more, ref_loss, worst = compare_with_model(m, model_file, sim, seed=seed)
+        sim = simulate_plan(m, model_file, seed=seed, batch_size=batch_size)
+        more, ref_loss, worst = compare_with_model(m, model_file, sim, seed=seed,
+                                                   batch_size=batch_size)
         problems += more
         loss = sim.loss
     return PlanVerdict(tuple(problems), len(m.edges), fallback, loss, ref_loss, worst)
