@@ -25,7 +25,7 @@ import torch
 from ssdsl.materialize.program import Materialized
 from ssdsl.runtime import dist as sdist
 from ssdsl.runtime.executor import RankProgram, assemble, create_groups
-from ssdsl.runtime.job import DTYPES, JobSpec, plan_job
+from ssdsl.runtime.job import DTYPES, JobSpec, plan_with_state
 from ssdsl.runtime.preflight import Verification, verify_before_launch
 from ssdsl.runtime.train import OptimizerSpec
 
@@ -90,8 +90,8 @@ def parallelize(model_file: str, plan: str, *, sets: Mapping[str, str] | None = 
     if not verification.verified and ctx.rank == 0:
         import warnings
         warnings.warn(f"ssdsl: {verification.line()}", stacklevel=2)
-    mf, m, model = plan_job(spec, ctx.world_size)
-    program = RankProgram(m, ctx.rank, mf, model, dtype=DTYPES[dtype],
+    mf, m, source = plan_with_state(spec, ctx)  # this rank's shards only, never the model
+    program = RankProgram(m, ctx.rank, mf, source, dtype=DTYPES[dtype],
                           optimizer=OptimizerSpec(optimizer, lr), groups=create_groups(m))
     pm = ParallelModel(program, m, ctx)
     pm.verification = verification

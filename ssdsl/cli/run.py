@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+import attrs
 from rich.console import Console
 
 from ssdsl.cli.check import parse_sets
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
                          hint="choose a new file name or remove the old one")
     spec = JobSpec(args.model, args.plan, tuple(parse_sets(args.set).items()), args.steps, args.batch_size,
                    args.seed, args.dtype, args.optimizer, args.lr)
+    from ssdsl.runtime.init import initial_state_file
     from ssdsl.runtime.preflight import verify_before_launch
     if under_torchrun():
         # every rank verifies (the same, deterministic answer), so that all of them stop together
@@ -77,14 +79,17 @@ def run(args: argparse.Namespace) -> int:
         # and verify it against the plain model (DESIGN §7), or say that it was not.
         verification = verify_before_launch(spec, nproc, enabled=not args.no_verify)
         print(verification.line(), file=sys.stderr)
-        if args.json:
-            result = launch(rank_main, nproc=nproc, args=(spec,), timeout_s=args.timeout)[0]
-        else:
-            from ssdsl.runtime.train import LiveView
-            with LiveView(nproc=nproc, steps=args.steps,
-                          title=f"ssdsl run {args.model} {args.plan}") as view:
-                result = launch(rank_main, nproc=nproc, args=(spec,), timeout_s=args.timeout,
-                                on_event=view.on_event)[0]
+        # the seeded model's state, written once here: each rank maps it and copies its regions
+        with initial_state_file(load_model_file(args.model), seed=args.seed) as init_file:
+            ranks = attrs.evolve(spec, init_file=init_file)
+            if args.json:
+                result = launch(rank_main, nproc=nproc, args=(ranks,), timeout_s=args.timeout)[0]
+            else:
+                from ssdsl.runtime.train import LiveView
+                with LiveView(nproc=nproc, steps=args.steps,
+                              title=f"ssdsl run {args.model} {args.plan}") as view:
+                    result = launch(rank_main, nproc=nproc, args=(ranks,),
+                                    timeout_s=args.timeout, on_event=view.on_event)[0]
     if args.save:
         save_atomically(result["params"], Path(args.save))
     console = Console(file=sys.stdout, soft_wrap=True)

@@ -27,6 +27,7 @@ from ssdsl.ir.region import Region
 from ssdsl.materialize.program import Materialized, UnsupportedPlacement
 from ssdsl.runtime.comm import reduce_gradients, run_adapter, wait_sends
 from ssdsl.runtime.groups import ProcessGroups, groups_of
+from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.pipeline import PipelineLayout, recompute_ops
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
@@ -106,20 +107,10 @@ class RankProgram:
             or bool(self.recompute)
 
     # ------------------------------------------------------------------ setup
-    def _init_state(self, model: torch.nn.Module) -> RankState:
-        """Slices of the seeded single-device model's parameters that this rank's parts read."""
-        full = _named_values(model, self.graph)
-        leaves: dict[tuple[str, Region], torch.Tensor] = {}
-        fixed: dict[tuple[str, Region], torch.Tensor] = {}
-        for (name, _op, _slot, device), use in self.m.sources.items():
-            if device != self.rank or name not in full:
-                continue
-            key = (name, use.region)
-            if name in self.graph.params and key not in leaves:
-                leaves[key] = use.region.slice_of(full[name]).detach().clone().requires_grad_(True)
-            elif name not in self.graph.params and key not in fixed:
-                fixed[key] = use.region.slice_of(full[name]).detach().clone()
-        return RankState(leaves, fixed)
+    def _init_state(self, source) -> RankState:
+        """This rank's regions of the seeded single-device model's parameters and buffers, from
+        a live model or a memory-mapped state file of it (``ssdsl.runtime.init``)."""
+        return RankState(*init_shards(self.m, self.rank, source))
 
     # ------------------------------------------------------------------ units
     def begin(self, batch: tuple[torch.Tensor, ...]) -> None:
@@ -363,19 +354,3 @@ def assemble(shards: list[tuple[str, Region, torch.Tensor]]) -> dict[str, torch.
 def create_groups(m: Materialized) -> ProcessGroups:
     """Every process group the program uses, created on every rank in the same order."""
     return ProcessGroups.create(groups_of([e.adapter for e in m.edges.values()], [m.reducer]))
-
-
-def _named_values(model: torch.nn.Module, graph) -> dict[str, torch.Tensor]:
-    """Graph tensor name -> value, for parameters, buffers and lifted constants."""
-    by_qual = dict(model.named_parameters(remove_duplicate=False))
-    by_qual.update(dict(model.named_buffers(remove_duplicate=False)))
-    out: dict[str, torch.Tensor] = {}
-    for name, qual in {**graph.params, **graph.buffers}.items():
-        for q in (qual, *graph.aliases.get(qual, ())):
-            if q in by_qual:
-                out[name] = by_qual[q]
-                break
-    for name, value in graph.constants.items():
-        if isinstance(value, torch.Tensor):
-            out[name] = value
-    return out

@@ -32,6 +32,7 @@ from ssdsl.ir.graph import Graph, map_tensor_refs
 from ssdsl.ir.interpret import call_target, resolve_target
 from ssdsl.ir.region import Region
 from ssdsl.materialize.program import Materialized
+from ssdsl.runtime.init import named_values
 from ssdsl.runtime.job import JobSpec, plan_job
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.trace.model_file import ModelFile, load_model_file
@@ -255,14 +256,13 @@ def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: i
     """The first operator (graph order) whose output on some device differs from the plain
     model's values of its region, with the plan statement that made that part; None when every
     forward value agrees (or the plan has micro-batches or stages, which this walk skips)."""
-    from ssdsl.materialize.verify import _named_values  # the simulator's source of values
     from ssdsl.runtime.comm import simulate_steps
 
     t, g = m.transformed, m.transformed.graph
     if m.schedule is not None or t.microbatches > 1:
         return None
     model = mf.build(seed=seed).to(m.dtype)
-    values = _named_values(model, g)
+    values = named_values(model, g)
     inputs, target = mf.get_batch(0, batch_size)
     ref: dict[str, torch.Tensor] = dict(zip(g.inputs, to_dtype((*inputs, target), m.dtype)))
     ref.update(values)
