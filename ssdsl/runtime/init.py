@@ -14,9 +14,10 @@ is not training, and each rank reads only its regions:
   others wait at a barrier (``shared_state_file``). That one process holds the full model once,
   before training, and frees it; this is the limit of that path.
 
-A rank memory-maps the file (``torch.load(mmap=True)``) and copies out its regions, so only the
-pages of its regions are read (for a region split along the last dim of a small matrix, every
-row's page is touched: a rank then reads up to the whole tensor, but holds only its copy). The
+A rank reads its regions out of the file with positioned reads (one per contiguous run), so it
+reads exactly their bytes; memory-mapping was tried first and measured worse: the kernel maps
+the neighbouring pages of every fault (64 KiB), so a rank reading a column block of every row
+counted nearly the whole file in its memory. The
 rank plans from a trace on the ``meta`` device (``trace_for_ranks``), so it never builds the
 model's tensors either; creation operators traced on ``meta`` are moved back to the run's device.
 
@@ -28,7 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
+import json
 import os
+import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,35 +84,102 @@ def named_values(model: torch.nn.Module, graph: Graph) -> dict[str, torch.Tensor
     return out
 
 
+_MAGIC = b"SSDSL-STATE-1\n"
+
+
 def write_state(model: torch.nn.Module, path: str | Path) -> Path:
-    """Write ``model``'s parameters and buffers (by qualified name, tied ones once) to ``path``
-    in the format ``torch.load(mmap=True)`` maps (``torch.save``'s zip format)."""
+    """Write ``model``'s parameters and buffers (by qualified name, tied ones once) to ``path``:
+    a JSON header (name -> dtype, shape, byte offset) then each tensor's bytes, row-major, so a
+    reader can fetch any region with positioned reads (``StateFile``)."""
     path = Path(path)
-    state = {k: v.detach() for k, v in model.named_parameters()}
-    state.update((k, v.detach()) for k, v in model.named_buffers())
+    named = {k: v.detach() for k, v in model.named_parameters()}
+    named.update((k, v.detach()) for k, v in model.named_buffers())
+    header, offset = {}, 0
+    for name, t in named.items():
+        header[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                        "offset": offset}
+        offset += t.numel() * t.element_size()
+    head = json.dumps(header).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(state, tmp)
+    with open(tmp, "wb") as f:
+        f.write(_MAGIC + struct.pack("<Q", len(head)) + head)
+        for t in named.values():
+            if t.numel():
+                f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)  # readers never see half a file
     return path
 
 
 class StateFile:
-    """A written state, memory-mapped: a tensor's pages are read only when sliced."""
+    """A written state, read region by region with positioned reads: a rank reads exactly the
+    bytes of its regions (no mapping, so no neighbouring pages count in its memory)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
-        self._state = torch.load(self.path, mmap=True, weights_only=True, map_location="cpu")
+        with open(self.path, "rb") as f:
+            if f.read(len(_MAGIC)) != _MAGIC:
+                raise ValueError(f"{self.path} is not an ssdsl state file")
+            (n,) = struct.unpack("<Q", f.read(8))
+            self._header = json.loads(f.read(n))
+            self._base = len(_MAGIC) + 8 + n
 
-    def values(self, graph: Graph) -> dict[str, torch.Tensor]:
-        """Graph tensor name -> mapped tensor (parameters and buffers) and graph constants."""
-        out: dict[str, torch.Tensor] = {}
-        for name, qual in {**graph.params, **graph.buffers}.items():
-            for q in (qual, *graph.aliases.get(qual, ())):
-                if q in self._state:
-                    out[name] = self._state[q]
-                    break
-        out.update((k, v) for k, v in graph.constants.items() if isinstance(v, torch.Tensor))
+    def read(self, graph: Graph, name: str, region: Region) -> torch.Tensor | None:
+        """``region`` of graph tensor ``name`` (a parameter or buffer), None if not stored."""
+        qual = {**graph.params, **graph.buffers}.get(name)
+        entry = next((self._header[q] for q in (qual, *graph.aliases.get(qual, ()))
+                      if q in self._header), None) if qual else None
+        if entry is None:
+            return None
+        dtype = getattr(torch, entry["dtype"])
+        out = torch.empty(region.local_shape, dtype=dtype)
+        if out.numel() == 0:
+            return out
+        buf = memoryview(out.view(-1).view(torch.uint8).numpy())
+        item = out.element_size()
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            at = 0
+            for offset, length in _spans(tuple(entry["shape"]), region.intervals):
+                n = length * item
+                got = os.preadv(fd, [buf[at:at + n]], self._base + entry["offset"] + offset * item)
+                if got != n:
+                    raise OSError(f"{self.path}: short read of '{name}'")
+                at += n
+        finally:
+            os.close(fd)
         return out
+
+
+def _spans(shape: tuple[int, ...], intervals: tuple) -> Iterator[tuple[int, int]]:
+    """(element offset, element count) of the contiguous runs of a region of a row-major
+    tensor, in the region's own row-major order (trailing whole dims merge into one run)."""
+    if not shape:
+        yield 0, 1
+        return
+    k = len(shape) - 1
+    while k > 0 and tuple(intervals[k]) == ((0, shape[k]),):
+        k -= 1
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    lead = [[i for a, b in intervals[d] for i in range(a, b)] for d in range(k)]
+    for idx in itertools.product(*lead):
+        base = sum(i * strides[d] for d, i in enumerate(idx))
+        for a, b in intervals[k]:
+            yield base + a * strides[k], (b - a) * strides[k]
+
+
+class LiveModel:
+    """The values of a live seeded model (what every rank built before the state file)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def read(self, graph: Graph, name: str, region: Region) -> torch.Tensor | None:
+        full = named_values(self.model, graph).get(name)
+        return None if full is None else region.slice_of(full).detach().clone()
 
 
 Source = torch.nn.Module | StateFile
@@ -119,23 +190,26 @@ def init_shards(m: Any, rank: int, source: Source
                            dict[tuple[str, Region], torch.Tensor]]:
     """This rank's parameter shards (leaves requiring grad) and fixed tensors (buffers,
     constants), keyed by (graph tensor name, region), copied from ``source``: a live seeded
-    model, or a ``StateFile`` of one (only the regions' pages are read)."""
+    model, or a ``StateFile`` of one (only the regions' bytes are read)."""
     graph = m.transformed.graph
-    full = named_values(source, graph) if isinstance(source, torch.nn.Module) \
-        else source.values(graph)
+    reader = LiveModel(source) if isinstance(source, torch.nn.Module) else source
+    constants = {k: v for k, v in graph.constants.items() if isinstance(v, torch.Tensor)}
     leaves: dict[tuple[str, Region], torch.Tensor] = {}
     fixed: dict[tuple[str, Region], torch.Tensor] = {}
-    dtype = m.dtype
     for (name, _op, _slot, device), use in m.sources.items():
-        if device != rank or name not in full:
+        if device != rank or name in graph.inputs:
             continue
         key = (name, use.region)
         into = leaves if name in graph.params else fixed
         if key in into:
             continue
-        value = use.region.slice_of(full[name]).detach()
-        # a copy of the region only (also out of a mapped file); floats in the run's dtype
-        value = value.to(dtype=dtype, copy=True) if value.is_floating_point() else value.clone()
+        value = use.region.slice_of(constants[name]).clone() if name in constants \
+            else reader.read(graph, name, use.region)
+        if value is None:
+            continue
+        # readers return fresh tensors (never views of a model): cast floats to the run's dtype
+        # as the model is cast, without a second copy when it is already that dtype
+        value = value.to(dtype=m.dtype) if value.is_floating_point() else value
         into[key] = value.requires_grad_(True) if into is leaves else value
     return leaves, fixed
 
