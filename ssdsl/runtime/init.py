@@ -17,8 +17,8 @@ is not training, and each rank reads only its regions:
 A rank reads its regions out of the file with positioned reads (one per contiguous run), so it
 reads exactly their bytes; memory-mapping was tried first and measured worse: the kernel maps
 the neighbouring pages of every fault (64 KiB), so a rank reading a column block of every row
-counted nearly the whole file in its memory. The
-rank plans from a trace on the ``meta`` device (``trace_for_ranks``), so it never builds the
+counted nearly the whole file in its memory. The rank plans from a trace on the ``meta`` device
+(``ssdsl.runtime.job.plan_for_ranks``), so it never builds the
 model's tensors either; creation operators traced on ``meta`` are moved back to the run's device.
 
 Limits: a model whose traced graph lifts tensor constants (``torch.tensor(...)`` in forward) is
@@ -124,6 +124,12 @@ class StateFile:
             (n,) = struct.unpack("<Q", f.read(8))
             self._header = json.loads(f.read(n))
             self._base = len(_MAGIC) + 8 + n
+        # kept open: the writer may remove the name once every rank has opened it
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            os.close(self._fd)
 
     def read(self, graph: Graph, name: str, region: Region) -> torch.Tensor | None:
         """``region`` of graph tensor ``name`` (a parameter or buffer), None if not stored."""
@@ -138,17 +144,13 @@ class StateFile:
             return out
         buf = memoryview(out.view(-1).view(torch.uint8).numpy())
         item = out.element_size()
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            at = 0
-            for offset, length in _spans(tuple(entry["shape"]), region.intervals):
-                n = length * item
-                got = os.preadv(fd, [buf[at:at + n]], self._base + entry["offset"] + offset * item)
-                if got != n:
-                    raise OSError(f"{self.path}: short read of '{name}'")
-                at += n
-        finally:
-            os.close(fd)
+        at = 0
+        for offset, length in _spans(tuple(entry["shape"]), region.intervals):
+            n = length * item
+            got = os.preadv(self._fd, [buf[at:at + n]], self._base + entry["offset"] + offset * item)
+            if got != n:
+                raise OSError(f"{self.path}: short read of '{name}'")
+            at += n
         return out
 
 
@@ -231,7 +233,7 @@ def initial_state_file(model_file: Any, *, seed: int) -> Iterator[str]:
 def shared_state_file(model_file: Any, *, seed: int, local_rank: int, barrier,
                       key: str) -> StateFile:
     """Under torchrun: local rank 0 writes the seeded model's state to a machine-local file,
-    every local rank maps it after ``barrier()``. ``key`` names the job (same on all ranks)."""
+    every local rank opens it after ``barrier()``. ``key`` names the job (same on all ranks)."""
     digest = hashlib.sha1(f"{key}:{seed}:{model_file.path}".encode()).hexdigest()[:16]
     path = Path(tempfile.gettempdir()) / f"ssdsl-init-{digest}.pt"
     if local_rank == 0:
@@ -240,7 +242,7 @@ def shared_state_file(model_file: Any, *, seed: int, local_rank: int, barrier,
         del model
     barrier()
     state = StateFile(path)
-    barrier()  # everyone has it mapped: the name can go (the mapping keeps the data)
+    barrier()  # everyone has it open: the name can go (an open file keeps its data)
     if local_rank == 0:
         with contextlib.suppress(OSError):
             path.unlink()
