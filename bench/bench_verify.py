@@ -5,7 +5,8 @@
 For each example (GPT under Megatron tensor parallelism, Swin and a Hugging Face LLaMA under data
 parallelism): ``verify_before_launch`` with verification on (plan in float64, get_batch twice,
 random-operator scan, one simulated step of all ranks, the plain model's step) and off (plan
-only); the difference is what verification adds. Then the job trains ``--steps`` steps on
+only), medians of ``--repeats`` alternated runs after a warm-up; the difference is what
+verification adds. Then the job trains ``--steps`` steps on
 ``--nproc`` gloo ranks (float32, as ``ssdsl run`` does by default), and 3 x the slowest rank's
 median step time is the yardstick. Prints JSON.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +28,8 @@ CASES = (
 )
 
 
-def measure(model: str, plan: str, sets: tuple, nproc: int, steps: int) -> dict:
+def measure(model: str, plan: str, sets: tuple, nproc: int, steps: int,
+            repeats: int) -> dict:
     import attrs
 
     from ssdsl.runtime.init import initial_state_file
@@ -36,12 +39,16 @@ def measure(model: str, plan: str, sets: tuple, nproc: int, steps: int) -> dict:
     from ssdsl.trace.model_file import load_model_file
 
     spec = JobSpec(str(ROOT / model), plan, sets, steps=steps)
-    start = time.perf_counter()
-    verify_before_launch(spec, nproc, enabled=False)
-    plan_only = time.perf_counter() - start
-    start = time.perf_counter()
-    v = verify_before_launch(spec, nproc)
-    with_verify = time.perf_counter() - start
+    verify_before_launch(spec, nproc, enabled=False)  # warm-up: imports, lazy torch set-up
+    plans, verifies = [], []
+    for _ in range(repeats):  # alternated, medians: the machine is shared
+        start = time.perf_counter()
+        verify_before_launch(spec, nproc, enabled=False)
+        plans.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        v = verify_before_launch(spec, nproc)
+        verifies.append(time.perf_counter() - start)
+    plan_only, with_verify = statistics.median(plans), statistics.median(verifies)
     with initial_state_file(load_model_file(spec.model), seed=0) as f:
         result = launch(rank_main, nproc=nproc, args=(attrs.evolve(spec, init_file=f),),
                         timeout_s=900)[0]
@@ -57,9 +64,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     sys.path.insert(0, str(ROOT))
-    print(json.dumps([measure(m, pl, s, a.nproc, a.steps) for m, pl, s in CASES], indent=1))
+    print(json.dumps([measure(m, pl, s, a.nproc, a.steps, a.repeats) for m, pl, s in CASES], indent=1))
 
 
 if __name__ == "__main__":

@@ -40,10 +40,21 @@ def test_shards_from_the_state_file_are_the_seeded_model_regions(plan, sets):
                 assert torch.equal(value.detach(), want)
 
 
-def test_ranks_plan_without_building_tensors():
-    mf, m, on_meta = plan_for_ranks(JobSpec(GPT, "dp"), 2)
-    devices = [dict(op.kwargs).get("device") for op in m.transformed.graph.ops]
-    assert on_meta and torch.device("meta") not in devices
+def _devices(value) -> list:
+    if isinstance(value, torch.device):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [d for v in value for d in _devices(v)]
+    return []
+
+
+@pytest.mark.parametrize("model", [GPT, str(ROOT / "examples" / "hf_llama.py")])
+def test_ranks_plan_without_building_tensors(model):
+    """No meta device is left in any argument (``arange(device=)``, ``to(x, device, dtype)``)."""
+    mf, m, on_meta = plan_for_ranks(JobSpec(model, "dp"), 2)
+    found = [d for op in m.transformed.graph.ops
+             for d in _devices((*op.args, *(v for _, v in op.kwargs)))]
+    assert on_meta and found and torch.device("meta") not in found
 
 
 def _train(spec: JobSpec) -> dict:

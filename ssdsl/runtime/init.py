@@ -51,13 +51,22 @@ _CONST = "constant:"
 
 
 def on_device(graph: Graph, device: str | torch.device) -> Graph:
-    """``graph`` with every ``device=meta`` argument of its creation operators set to ``device``."""
+    """``graph`` with every ``meta`` device argument of its operators (``arange(..., device=)``,
+    ``to(x, device, dtype)``) set to ``device``."""
     meta = torch.device("meta")
     target = torch.device(device)
 
+    def swap(v: Any) -> Any:  # a device argument, by keyword or by position (``to.device``)
+        if isinstance(v, torch.device):
+            return target if v == meta else v
+        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            return type(v)(swap(x) for x in v)
+        return v
+
     def fix(op: Op) -> Op:
-        kwargs = tuple((k, target if k == "device" and v == meta else v) for k, v in op.kwargs)
-        return op if kwargs == op.kwargs else attrs.evolve(op, kwargs=kwargs)
+        args, kwargs = swap(op.args), tuple((k, swap(v)) for k, v in op.kwargs)
+        return op if (args, kwargs) == (op.args, op.kwargs) else \
+            attrs.evolve(op, args=args, kwargs=kwargs)
 
     return attrs.evolve(graph, ops=tuple(fix(op) for op in graph.ops))
 
