@@ -109,6 +109,11 @@ class _Context:
                    placed)
 
 
+def unit_order(m: Materialized, rank: int) -> tuple[tuple[str, Span | None], ...]:
+    """The units ``rank`` runs, in the schedule's order, each with its plan line."""
+    return next((us for group, us in _unit_programs(m) if rank in group), ())
+
+
 def _unit_programs(m: Materialized):
     if m.schedule is not None:
         return tuple((group, tuple((str(u), s) for u, s in zip(prog.units, prog.spans)))

@@ -195,6 +195,17 @@ def run_all(walks: Mapping[int, Iterator[Wait]], exchange: Exchange) -> None:
 
 
 def _deadlock(pending: Mapping[int, Wait]) -> None:
+    for w in pending.values():
+        if not isinstance(w.what, Coll):
+            continue
+        others = [pending.get(r) for r in w.what.group]
+        if all(o is not None and isinstance(o.what, Coll) for o in others):
+            odd = next((o for o in others if (o.what, o.ident) != (w.what, w.ident)), None)
+            if odd is not None:  # every member waits at a collective, not the same one
+                raise CollectiveMismatch(
+                    f"ranks {list(w.what.group)} meet at different collectives: rank {w.rank} "
+                    f"at {_describe(w)}, rank {odd.rank} at {_describe(odd)}", span_of(w.ins),
+                    hint="every member of a group must issue its collectives in the same order")
     lines = []
     for rank, w in sorted(pending.items()):
         if isinstance(w.what, Msg):

@@ -13,7 +13,8 @@ from typing import Any
 import attrs
 import torch
 
-from ssdsl.check import check_schedule
+from ssdsl.check import check_programs, check_schedule
+from ssdsl.lower import lower_plan
 from ssdsl.elaborate import elaborate_file
 from ssdsl.materialize.program import Materialized, materialize
 from ssdsl.runtime import dist as sdist
@@ -54,7 +55,9 @@ def plan_job(spec: JobSpec, world: int) -> tuple[Any, Materialized, torch.nn.Mod
     graph = trace(mf, device="cpu", batch_size=spec.batch_size, model=model)
     plan = elaborate_file(spec.plan, world=world, sets=dict(spec.sets))
     t, lowered = schedule_plan(graph, plan)
-    return mf, materialize(t, dtype=dtype, schedule=lowered), model
+    m = materialize(t, dtype=dtype, schedule=lowered)
+    check_programs(lower_plan(m).programs, m=m)  # what every rank will run, before it runs
+    return mf, m, model
 
 
 def schedule_plan(graph: Any, plan: Any) -> tuple[Transformed, Lowered | None]:
