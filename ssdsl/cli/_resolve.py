@@ -31,7 +31,7 @@ def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False,
     Returns the exit status: 1 when verification finds a fault.
     """
     from ssdsl.materialize.program import materialize
-    from ssdsl.materialize.verify import comm_report
+    from ssdsl.materialize.report import comm_report
 
     mf = load_model_file(model)
     result, lowered = _resolve(trace(mf, device="meta"), plan)
@@ -100,12 +100,12 @@ def _resolve(graph, plan: ElaboratedPlan):
 def _verify(mf, plan: ElaboratedPlan):
     """Verify the plan on a graph traced on the CPU with the real, seeded model."""
     from ssdsl.materialize.program import materialize
-    from ssdsl.materialize.verify import verify_plan
+    from ssdsl.runtime.verify import verify_plan
 
     model = mf.build(seed=0)
     result, lowered = _resolve(trace(mf, device="cpu", model=model), plan)
     m = materialize(result, schedule=lowered)
-    return verify_plan(m, model_file=None if lowered is not None else mf)
+    return verify_plan(m, model_file=mf)
 
 
 def _print_verdict(console, verdict) -> None:

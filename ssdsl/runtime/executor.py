@@ -81,8 +81,9 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.
            "bool": torch.bool}
 
 
-def _dtype(name: str) -> torch.dtype:
-    return _DTYPES.get(name) or getattr(torch, name)
+def _dtype(name: str, run: torch.dtype) -> torch.dtype:
+    """A program's dtype name; ``float`` is the run's floating dtype (chosen at run time)."""
+    return run if name == "float" else _DTYPES.get(name) or getattr(torch, name)
 
 
 class _LocalSteps(torch.autograd.Function):
@@ -177,8 +178,8 @@ class Runner(Handler):
         if ins.call.scale != 1.0:
             outs = tuple(o * ins.call.scale for o in outs)
         env.update(zip(ins.outs, outs, strict=True))
-        if ins.loss and not self._replay:
-            self.losses.append((outs[0], ins.count))
+        if ins.loss:
+            self.record_loss(outs[0], ins.count)
 
     def on_cut(self, ins) -> None:
         src = self.env[ins.src]
@@ -216,7 +217,7 @@ class Runner(Handler):
 
     # -- communication --------------------------------------------------------------------------
     def on_comm(self, ins) -> Iterator[Wait]:
-        dtype = _dtype(ins.dtype)
+        dtype = _dtype(ins.dtype, self.dtype)
         if ins.backward:
             held = [self.grads.pop(v, None) for v in ins.ins]
             held = [g if g is not None else torch.zeros(s, dtype=dtype, device=self.device)
@@ -297,6 +298,16 @@ class Runner(Handler):
     def on_end_recompute(self, ins) -> None:
         begin, body = self._region
         self._region = None
+
+        def run_body(_env: dict) -> None:
+            for x in body:
+                if Handler.visit(self, x) is not None:
+                    raise RuntimeError("a recomputed region communicates")
+        self.recomputed(begin, run_body)
+
+    def recomputed(self, begin, body) -> None:
+        """Run ``body(env)`` (which reads ``begin.ins`` from ``env`` and writes ``begin.outs``)
+        keeping none of its activations: backward runs it again."""
         calls = [0]
 
         def segment(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -305,9 +316,7 @@ class Runner(Handler):
             self._replay = calls[0] > 0
             calls[0] += 1
             try:
-                for x in body:
-                    if Handler.visit(self, x) is not None:
-                        raise RuntimeError("a recomputed region communicates")
+                body(self.env)
                 return tuple(self.env[v] for v in begin.outs)
             finally:
                 self.env, self._replay = saved, replay
@@ -315,6 +324,11 @@ class Runner(Handler):
         values = [self.env[v] for v in begin.ins]
         results = checkpoint(segment, *values, use_reentrant=False)
         self.env.update(zip(begin.outs, results, strict=True))
+
+    def record_loss(self, value: torch.Tensor, count: bool) -> None:
+        """Keep a loss part for the step's loss (not again when a region is recomputed)."""
+        if not self._replay:
+            self.losses.append((value, count))
 
     # -- the step's tail ------------------------------------------------------------------------
     def on_wait_sends(self, ins) -> None:
