@@ -23,7 +23,8 @@ from ssdsl.elaborate import elaborate_file, elaborate_text
 from ssdsl.materialize.program import Materialized, materialize
 from ssdsl.materialize.reducer import GradReducer, Weight, plan_grad_reducer
 from ssdsl.materialize.steps import PointToPoint
-from ssdsl.materialize.verify import comm_report, verify_plan
+from ssdsl.materialize.report import comm_report
+from ssdsl.runtime.verify import verify_plan
 from ssdsl.trace import trace
 from ssdsl.trace.model_file import load_model_file
 from ssdsl.transform import transform
