@@ -212,3 +212,20 @@ def test_megatron_tp_shards_the_block_linears(gpt):
     r = _report(graph, "megatron_tp", tp, "sgd")
     assert [d.static.params for d in r.devices] == [4 * e for e in expect]
     assert [d.static.optimizer for d in r.devices] == [0, 0]  # plain SGD keeps no state
+
+
+def test_cli_prints_json_for_every_device(capsys):
+    import json
+
+    from ssdsl.cli import main
+    assert main(["cost", str(EXAMPLES / "gpt.py"), "dp", "--world", "2", "--device", "h100",
+                 "--optimizer", "sgd", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [d["device"] for d in data["devices"]] == [0, 1]
+    assert data["device"] == "h100" and data["step_time_s"] > data["pipeline_s"] > 0
+
+
+def test_cli_refuses_a_node_count_that_does_not_divide_the_world(capsys):
+    from ssdsl.cli import main
+    assert main(["cost", str(EXAMPLES / "gpt.py"), "dp", "--world", "3", "--nodes", "2"]) == 2
+    assert "--nodes 2 does not divide --world 3" in capsys.readouterr().err
