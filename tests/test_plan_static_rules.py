@@ -76,7 +76,7 @@ def test_order_consistent_with_data_becomes_the_operator_order(graph):
 
 def test_recompute_of_a_stage_is_its_operators(graph):
     t, _ = _schedule(graph, PIPE + "recompute st[0]\n")
-    assert t.recompute and t.recompute == {op.name for op in t.graph.ops if t.stage(op.name) == 0}
+    assert t.recompute and set(t.recompute) == {op.name for op in t.graph.ops if t.stage(op.name) == 0}
 
 
 def test_check_cli_refuses_recompute_of_nothing(tmp_path, capsys):

@@ -40,6 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write the final parameters, merged into one single-device state dict "
                    "(torch.save), atomically; an existing FILE is never overwritten")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is ended")
+    p.add_argument("--compiled", metavar="DIR", default=None,
+                   help="run the per-rank files `ssdsl compile` wrote into DIR (rank<N>.py)")
     p.set_defaults(func=run)
 
 
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--save: {args.save} exists; ssdsl does not overwrite files",
                          hint="choose a new file name or remove the old one")
     spec = JobSpec(args.model, args.plan, tuple(parse_sets(args.set).items()), args.steps, args.batch_size,
-                   args.seed, args.dtype, args.optimizer, args.lr)
+                   args.seed, args.dtype, args.optimizer, args.lr, compiled=args.compiled)
     from ssdsl.runtime.init import initial_state_file
     from ssdsl.runtime.preflight import verify_before_launch
     if under_torchrun():

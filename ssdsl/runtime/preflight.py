@@ -174,9 +174,9 @@ def simulate_step(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int 
     """One training step of all ranks simulated in this process against the plain model: a
     verdict with ``ok``, ``problems``, ``loss``, ``reference_loss``, ``max_grad_error``.
 
-    The one call into the simulator (``ssdsl.materialize.verify``), so that verification covers
+    The one call into the simulator (``ssdsl.runtime.verify``), so that verification covers
     whatever plans the simulator covers."""
-    from ssdsl.materialize.verify import PlanVerdict, compare_with_model, simulate_plan
+    from ssdsl.runtime.verify import PlanVerdict, compare_with_model, simulate_plan
     try:
         sim = simulate_plan(m, mf, seed=seed, batch_size=batch_size)
         problems, ref_loss, worst = compare_with_model(m, mf, sim, seed=seed,

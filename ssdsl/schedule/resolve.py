@@ -29,6 +29,7 @@ from ssdsl.ops import Annotation
 from ssdsl.schedule.lower import LowerError, Lowered, SeveralPipelines, lower_schedule
 from ssdsl.schedule.oporder import order_operators
 from ssdsl.schedule.stages import balance_stages
+from ssdsl.source import Span
 from ssdsl.transform.apply import assign_ops, check_placed
 from ssdsl.transform.microbatch import split_microbatches
 from ssdsl.transform.parts import Transformed
@@ -135,23 +136,24 @@ def resolve_pipeline(t: Transformed) -> tuple[Transformed, Lowered | None]:
     return t, lowered
 
 
-def recompute_ops(t: Transformed, st: Stages | None) -> frozenset[str]:
-    """The operators the ``recompute`` statements select: ``recompute st[i]`` is the operators
+def recompute_ops(t: Transformed, st: Stages | None) -> dict[str, Span]:
+    """The operators the ``recompute`` statements select (with the span of the first that
+    selects each): ``recompute st[i]`` is the operators
     of stage i, any other selector is resolved as ``partition`` resolves it (a selector that
     matches nothing is an error at its statement, with the closest names)."""
-    chosen: set[str] = set()
+    chosen: dict[str, Span] = {}
     errors = ErrorCollector()
     for d in t.deferred:
         if not isinstance(d, Recompute):
             continue
         with errors.catch():
             _, base = part_prefix(d.selector)
-            if isinstance(base, StageRef):
-                chosen.update(_stage_ops(t, st, base, d))
-            else:
-                chosen.update(select_ops(t.graph, d.selector, d.span))
+            names = _stage_ops(t, st, base, d) if isinstance(base, StageRef) \
+                else select_ops(t.graph, d.selector, d.span)
+            for name in names:
+                chosen.setdefault(name, d.span)
     errors.raise_if_any()
-    return frozenset(chosen)
+    return chosen
 
 
 def _stage_ops(t: Transformed, st: Stages | None, ref: StageRef, d: Recompute) -> list[str]:
