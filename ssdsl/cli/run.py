@@ -35,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write the final parameters, merged into one single-device state dict "
                    "(torch.save), atomically; an existing FILE is never overwritten")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is ended")
+    p.add_argument("--compiled", metavar="DIR", default=None,
+                   help="run the per-rank files `ssdsl compile` wrote into DIR (rank<N>.py)")
     p.set_defaults(func=run)
 
 
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--save: {args.save} exists; ssdsl does not overwrite files",
                          hint="choose a new file name or remove the old one")
     spec = JobSpec(args.model, args.plan, tuple(parse_sets(args.set).items()), args.steps, args.batch_size,
-                   args.seed, args.dtype, args.optimizer, args.lr)
+                   args.seed, args.dtype, args.optimizer, args.lr, compiled=args.compiled)
     if under_torchrun():
         result = rank_main(spec)
         if result is None:
