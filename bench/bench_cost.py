@@ -10,8 +10,9 @@ latency and bandwidth of all-reduce and send/recv, fitted together to the alpha-
 (all-reduce of n bytes over 2 ranks: 2 alpha + n / beta; a message: alpha + n / beta).
 ``calibrate`` runs ``ssdsl run --json --nproc 2`` for each model and plan and compares the median
 step time (of each run's steps after the first, median over repeats, slowest rank) with
-``ssdsl cost --device cpu`` (measured runs are kept in ``bench/cost_measured.json``; ``--reuse``
-predicts again without running). The machine is shared: every figure is a median of repeats.
+``ssdsl cost --device cpu`` (the profile is measured again right before each case, as the load of a shared machine
+changes within minutes; runs and profiles are kept in ``bench/cost_measured.json``, and
+``--reuse`` predicts again from them without running). The machine is shared: every figure is a median of repeats.
 """
 
 from __future__ import annotations
@@ -174,8 +175,9 @@ def measure(args: argparse.Namespace) -> None:
             "source": f"measured by bench/bench_cost.py on this machine ({_threads()} threads "
                       f"per rank, gloo, {time.strftime('%Y-%m-%d')}, medians of {r})"}
     PROFILE.write_text(json.dumps(prof, indent=1) + "\n")
-    print(json.dumps({**prof, "comm_samples": comm["rows"]}, indent=1))
-    print(f"wrote {PROFILE}")
+    if not getattr(args, "quiet", False):
+        print(json.dumps({**prof, "comm_samples": comm["rows"]}, indent=1))
+        print(f"wrote {PROFILE}")
 
 
 CASES = [("examples/gpt.py", p) for p in ("dp", "megatron_tp", "1f1b")] + \
@@ -211,10 +213,14 @@ def calibrate(args: argparse.Namespace) -> None:
             continue
         key = f"{model}:{plan}"
         if args.reuse and key in saved:
-            runs = saved[key]
+            runs = saved[key]["runs"]
+            PROFILE.write_text(json.dumps(saved[key]["profile"], indent=1) + "\n")
         else:
+            # the load of this shared machine changes several-fold within minutes: the profile
+            # is measured again right before each case's runs
+            measure(argparse.Namespace(repeats=args.profile_repeats, quiet=True))
             runs = [_measured(model, plan, args.steps) for _ in range(args.repeats)]
-            saved[key] = runs
+            saved[key] = {"runs": runs, "profile": json.loads(PROFILE.read_text())}
             MEASURED.write_text(json.dumps(saved, indent=1) + "\n")
         measured = statistics.median(runs)
         pred = _predicted(model, plan)["step_time_s"]
@@ -239,6 +245,7 @@ def main() -> None:
     c = sub.add_parser("calibrate")
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--steps", type=int, default=12)
+    c.add_argument("--profile-repeats", type=int, default=7)
     c.add_argument("--reuse", action="store_true",
                    help=f"predict again against the runs saved in {MEASURED.name}")
     c.add_argument("--only", default=None, help="run only cases whose 'model:plan' contains it")

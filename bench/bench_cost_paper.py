@@ -36,15 +36,17 @@ def plans(names: dict[str, str], world: int, batch: int) -> list[tuple[str, str,
     tp = min(8, world)
     pp = world // tp
     mb = min(batch, 2 * world)
-    blocks = {"blocks": names["blocks"]} if "blocks" in names else {}
+    dp_tp = str(PAPER / "dp_tp_named.ssp")
+    dp_tp_1f1b = str(PAPER / "dp_tp_1f1b_named.ssp")
     return [
         ("dp", "dp", {}),
-        (f"megatron_tp (tp={world})", "megatron_tp", dict(names)),
+        (f"megatron_tp in dp_tp (dp={world // tp}, tp={tp})", dp_tp,
+         {"dp": str(world // tp), "tp": str(tp), **names}),
         (f"1f1b ({world} stages, {mb} mb)", "1f1b", {"microbatches": str(mb)}),
         (f"gpipe ({world} stages, {mb} mb)", "gpipe", {"microbatches": str(mb)}),
-        (f"dp_tp_1f1b (tp={tp}, pp={pp}, {min(batch, 4 * pp)} mb)", "dp_tp_1f1b",
+        (f"dp_tp_1f1b (tp={tp}, pp={pp}, {min(batch, 4 * pp)} mb)", dp_tp_1f1b,
          {"dp": "1", "tp": str(tp), "pp": str(pp), "microbatches": str(min(batch, 4 * pp)),
-          **blocks}),
+          **names}),
     ]
 
 
