@@ -50,7 +50,8 @@ class DeviceProfile:
     ``inter_bw``/``inter_latency``: the network a node has to other nodes (all its NICs together),
     shared by the rings that cross it. ``compute_efficiency`` and ``memory_efficiency`` scale peak
     to what kernels reach; ``op_overhead``: fixed time per operator call (kernel launch, or eager
-    dispatch on a CPU), ``view_overhead`` the same for an operator that moves no data (a view).
+    dispatch on a CPU), ``view_overhead`` the same for an operator that moves no data (a view),
+    ``param_overhead`` the optimizer's per tensor.
     ``flash_attention``: attention kernels skip the masked half under a causal mask and keep no
     score matrix (the math path on a CPU keeps it).
     """
@@ -68,6 +69,7 @@ class DeviceProfile:
     memory_efficiency: float = 1.0
     op_overhead: float = 0.0
     view_overhead: float = 0.0
+    param_overhead: float = 1e-6  # per parameter tensor and optimizer state in the step
     flash_attention: bool = False
     source: str = "datasheet"
 

@@ -339,7 +339,7 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
         memory[d] = StaticMemory(params, params, numel * (4 * states + master))
         # read parameter and gradient, read and write each state, write the parameter
         moved = numel * (3 * opts.itemsize + 8 * states + 2 * master)
-        optimizer[d] = len(held[d]) * p.op_overhead * (1 + states) + moved / p.bytes_rate()
+        optimizer[d] = len(held[d]) * p.param_overhead * (1 + states) + moved / p.bytes_rate()
         reducer[d] = 0.0
     scale = opts.itemsize / m.dtype.itemsize
     for bucket in m.reducer.buckets:
