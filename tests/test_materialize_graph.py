@@ -89,7 +89,7 @@ assign each part i to device i
 # order: the regular layouts agree, the devices do not; the data must go point to point.
 SWAP = """plan swap(n: int = world)
 partition all along batch into n
-assign each part i to device i
+assign each part i of (all except h.0.mlp.c_fc) to device i
 assign each part i of h.0.mlp.c_fc to device n - 1 - i
 """
 
