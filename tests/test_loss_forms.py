@@ -23,7 +23,7 @@ import torch
 from ssdsl.cli import main
 from ssdsl.elaborate import elaborate_file, elaborate_text
 from ssdsl.materialize.program import materialize
-from ssdsl.materialize.verify import compare_with_model, simulate_plan, verify_plan
+from ssdsl.runtime.verify import compare_with_model, simulate_plan, verify_plan
 from ssdsl.runtime.executor import RankProgram, assemble
 from ssdsl.runtime.job import schedule_plan
 from ssdsl.runtime.reference import norm_scaled_errors, run_reference

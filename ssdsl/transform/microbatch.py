@@ -20,7 +20,7 @@ import attrs
 from ssdsl.elaborate.directives import Microbatch
 from ssdsl.errors import SsdslError
 from ssdsl.ir.region import Region
-from ssdsl.ops import Annotation, SubOp, call_of
+from ssdsl.ops import Annotation, FrozenDimError, SubOp, call_of
 from ssdsl.transform.apply import _Builder, _at, _indivisible
 from ssdsl.transform.errors import MissingDim, TransformError
 from ssdsl.transform.parts import Part, Transformed, split_ranges
@@ -118,6 +118,9 @@ def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Micro
     if subs is None:
         try:
             subs = memo[tuple(keys)] = ann.partition_along(call, label, ranges)
+        except FrozenDimError as err:  # a batch statistic: no micro-batch has it alone
+            raise NotMicrobatchable(f"{err.message}: micro-batches cannot split it", d.span,
+                                    hint=err.hint) from None
         except SsdslError as err:
             raise _at(err, d.span) from None
     return [Part(part.op, part.index, part.replica, key, sub, part.device, part.span,
