@@ -90,6 +90,7 @@ def _elementwise_samples() -> dict[str, list]:
         "aten.masked_fill_.Scalar": [([r(4, 6), r(4, 1) > 0, -1.0], {})],
         "aten.masked_fill_.Tensor": [([r(4, 6), r(6) > 0, torch.tensor(2.0, dtype=D)], {})],
         "aten.fill_.Scalar": [([r(4, 6), 3.0], {})],
+        "aten.fill_.Tensor": [([r(4, 6), torch.tensor(3.0, dtype=D)], {})],
         "aten.zero_.default": [([r(4, 6)], {})],
         "aten.clamp_.default": [([r(4, 6), -0.5, 0.5], {})],
         "aten.clamp_min_.default": [([r(4, 6), 0.0], {})],

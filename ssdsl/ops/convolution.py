@@ -50,7 +50,11 @@ def conv(call: Call) -> Annotation:
     if call.arg(2, "bias") is not None:
         ins.append(((Factor("Co", cout),),))
     return Annotation(tuple(ins), ((*lead, (Factor("Co", cout),), *o_sp),), reduced=reduced,
-                      frozen=frozen, lower=_lower_conv)
+                      frozen=frozen, words=CHANNEL_WORDS, lower=_lower_conv)
+
+
+# The words a linear layer takes (``FEATURE_WORDS``): output and input channels.
+CHANNEL_WORDS = {"out": "Co", "in": "Ci"}
 
 
 def _lower_conv(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:

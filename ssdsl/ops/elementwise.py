@@ -41,7 +41,7 @@ IN_PLACE = (
                                      "sqrt", "rsqrt", "abs", "reciprocal", "zero"]]
     + [f"aten.{n}_.Tensor" for n in ["add", "sub", "mul", "div"]]
     + [f"aten.{n}_.Scalar" for n in ["add", "sub", "mul", "div", "fill", "masked_fill"]]
-    + ["aten.masked_fill_.Tensor", "aten.copy_.default", "aten.clamp_.default",
+    + ["aten.masked_fill_.Tensor", "aten.fill_.Tensor", "aten.copy_.default", "aten.clamp_.default",
        "aten.clamp_min_.default", "aten.clamp_max_.default"]
 )
 
