@@ -66,7 +66,7 @@ _LAUNCHER_PID_VAR = "SSDSL_LAUNCHER_PID"
 # Both can be set in the environment (a model whose steps take longer than HANG_S on one rank while
 # another waits needs a larger value).
 _BEAT_S = 1.0
-STALE_S = float(os.environ.get("SSDSL_STALE_S", "8"))
+STALE_S = float(os.environ.get("SSDSL_STALE_S", "10"))
 HANG_S = float(os.environ.get("SSDSL_HANG_S", "15"))
 
 
