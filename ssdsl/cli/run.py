@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                     result = launch(rank_main, nproc=nproc, args=(ranks,),
                                     timeout_s=args.timeout, on_event=view.on_event)[0]
     if args.save:
-        save_atomically(result["params"], Path(args.save))
+        _saved_at(Path(args.save), save_atomically(result["params"], Path(args.save)))
     console = Console(file=sys.stdout, soft_wrap=True)
     verdict = None
     if args.check:
@@ -133,28 +133,55 @@ def run(args: argparse.Namespace) -> int:
     return 0 if verdict is None or verdict.ok else 1
 
 
-def save_atomically(state: dict, path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then link it into place.
+def save_atomically(state: dict, path: Path) -> Path:
+    """``torch.save`` to a temporary file beside ``path``, then link it into place; the path
+    written is returned.
 
     ``os.link`` fails when ``path`` appeared meanwhile, so a file created by someone else between
-    the check and the write is not replaced either.
+    the check and the write is never replaced; the trained parameters are then linked under the
+    first free name beside it (``model.1.pt``, ``model.2.pt``, ...) instead of being lost. A
+    directory that cannot be written falls back to the current directory.
     """
     import os
     import tempfile
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError:
+        path = Path.cwd() / path.name
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise UsageError(f"--save: {path} appeared while training; it was not overwritten",
-                             hint=f"the parameters were not saved") from None
+        for candidate in _fresh_names(path):
+            try:
+                os.link(tmp, candidate)
+                return candidate
+            except FileExistsError:
+                continue
+        raise UsageError(f"--save: {path} and 1,000 names beside it exist; nothing was "
+                         "overwritten, and the parameters were not saved")  # pragma: no cover
     finally:
         os.unlink(tmp)
+
+
+def _fresh_names(path: Path):
+    """``path``, then ``stem.1.suffix`` ... ``stem.999.suffix`` beside it."""
+    yield path
+    for n in range(1, 1000):
+        yield path.with_name(f"{path.stem}.{n}{path.suffix}")
+
+
+def _saved_at(asked: Path, written: Path) -> None:
+    """Say where the parameters went when it is not where they were asked to go."""
+    if written.parent != asked.parent:
+        print(f"--save: {asked.parent} cannot be written; the trained parameters were saved to "
+              f"{written}", file=sys.stderr)
+    elif written != asked:
+        print(f"--save: {asked} appeared while training and was not overwritten; the trained "
+              f"parameters were saved to {written}", file=sys.stderr)
 
 
 def _asdict(r) -> dict:

@@ -7,8 +7,13 @@ which a backend defines: ``DistRunner`` on torch.distributed here, ``SimRunner``
 (``ssdsl.runtime.simulate``) by yielding to the in-process exchange. The walk itself is
 ``ssdsl.lower.walk.walk``: one walk, whatever the backend.
 
+A forward ``comm`` makes its outputs new autograd leaves and ``backward`` runs autograd over one
+segment between communication points, so no communication ever happens inside autograd: the
+order of every collective and message, backward included, is the program's.
+
 ``RankProgram`` is one rank's trainer: its program (``ssdsl.lower.lower_rank``), its shards
-(``init_state``), its optimizer, and ``train_batch``.
+(``init_state``; ``_init_state`` is the hook to initialise them otherwise), its optimizer, and
+``train_batch``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from ssdsl.ir.region import Region
 from ssdsl.lower import Handler, Program, Wait, lower_rank, walk
 from ssdsl.lower.instr import Coll, P2P
 from ssdsl.materialize.program import Materialized
-from ssdsl.runtime.comm import coll_on_rank, isend, local_coll, wait_sends, _pg
+from ssdsl.runtime.comm import coll_on_rank, isend, local_coll, wait_sends
 from ssdsl.runtime.groups import ProcessGroups, groups_of
 from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.reference import to_dtype
@@ -383,14 +388,6 @@ class DistRunner(Runner):
 
     def on_wait_sends(self, ins) -> None:
         wait_sends()
-
-    def on_loss_sum(self, ins) -> Iterator[Wait]:
-        mine = float(sum(float(x.detach()) for x, counted in self.losses if counted))
-        total = torch.tensor([mine], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(total, group=_pg(self.groups, ins.group) if self.groups else None)
-        self.loss_total = float(total.item())
-        return iter(())
 
 
 class RankProgram:

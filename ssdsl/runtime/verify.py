@@ -7,7 +7,7 @@ Three checks, from local to global:
    the transform asked, not a neighbouring one).
 2. *Adapters*: every edge adapter, forward and backward, runs with all ranks simulated in one
    process on random data, and each consumer slot must hold exactly its region's values
-   (``ssdsl.runtime.comm.verify_adapter``, whose expected values are sliced from full tensors,
+   (``ssdsl.runtime.adapters.verify_adapter``, whose expected values are sliced from full tensors,
    not computed by the steps).
 3. *Whole step* (``simulate_plan``): every rank's lowered program walked in one process by the
    simulator (``ssdsl.runtime.simulate``), the same walk as the distributed executor's; the loss
@@ -30,7 +30,7 @@ from ssdsl.ir.region import Region
 from ssdsl.lower import lower_plan
 from ssdsl.materialize.program import Materialized, _region
 from ssdsl.materialize.report import uses_fallback
-from ssdsl.runtime.comm import verify_adapter
+from ssdsl.runtime.adapters import verify_adapter
 from ssdsl.runtime.reference import run_reference
 from ssdsl.runtime.simulate import Simulation, simulate_model_file
 from ssdsl.runtime.train import OptimizerSpec
