@@ -252,9 +252,11 @@ def _difference(m: Materialized, mf: ModelFile, verdict: Any, *, seed: int,
             span, hint="the plan (or ssdsl) computes something else than the model here; "
             "--no-verify would start it anyway")
     span = _param_span(m, verdict.problems)
+    walked = m.schedule is None and m.transformed.microbatches == 1
+    why = "the forward values agree; the gradients part" if walked else \
+        "the operator where values part is located for plans without stages and micro-batches"
     return TrainsDifferently(
-        f"one simulated training step differs from the plain model (the forward values agree; "
-        f"the gradients part):\n  {problems}", span,
+        f"one simulated training step differs from the plain model ({why}):\n  {problems}", span,
         hint="the plan (or ssdsl) computes something else than the model here; --no-verify "
         "would start it anyway")
 
