@@ -20,12 +20,10 @@ import attrs
 from ssdsl.cost.collectives import Link, all_reduce_time, collective_time, link_for, p2p_time
 from ssdsl.cost.ops import VIEW_KINDS, Work, aten_name, item_bytes, work_of
 from ssdsl.cost.profiles import Cluster, DeviceProfile
-from ssdsl.elaborate.directives import Recompute
 from ssdsl.ir.region import Region
 from ssdsl.materialize.program import Materialized
 from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
 from ssdsl.ops import Annotation
-from ssdsl.transform.select import select_ops
 
 ITEMSIZE = {"float64": 8, "float32": 4, "tfloat32": 4, "float16": 2, "bfloat16": 2}
 # Optimizer state per parameter element, in fp32 values: SGD without momentum keeps none.
@@ -128,10 +126,7 @@ def recomputed_ops(m: Materialized) -> frozenset[str]:
     """Operators under ``recompute`` statements, except those next to communication (the
     runtime leaves them out: recomputing a receive would receive twice)."""
     t = m.transformed
-    chosen: set[str] = set()
-    for d in t.deferred:
-        if isinstance(d, Recompute):
-            chosen.update(select_ops(t.graph, d.selector, d.span))
+    chosen = set(t.recompute)  # resolved (stages too) and checked by the schedule phase
     if not chosen:
         return frozenset()
     producer = {x: op.name for op in t.graph.ops for x in op.outputs}
