@@ -226,6 +226,26 @@ def test_split_parts_combine_to_whole(target: str, index: int) -> None:
             check_parts(call, ann, values, equal_parts(ann, label, n))
 
 
+@pytest.mark.parametrize(("target", "index"), CASES)
+def test_split_of_an_inner_factor_combines_to_whole(target: str, index: int) -> None:
+    """Every rule keeps its meaning when the tracer cuts a label into factors (a Conv1D's input
+    features viewed as heads): a split of the inner factor starts every part off the label's
+    start, so a rule that tests the label by name (a bias added by "the first part") fails."""
+    args, kwargs = SAMPLES[target][index]
+    call, values = make_call(target, args, kwargs)
+    ann = annotate_call(call)
+    for label in ann.splittable():
+        size = ann.sizes()[label]
+        if size % 4 == 0 or (size % 2 == 0 and size > 2):
+            cut = ann.refined(label, [2, size // 2])
+            inner = f"{label}.1"
+            for n in _parts_for(cut, inner):
+                try:
+                    check_parts(call, cut, values, equal_parts(cut, inner, n))
+                except FrozenDimError as refused:  # a refusal that says why is allowed
+                    assert "strided" in str(refused)
+
+
 def test_nested_partition_of_two_labels() -> None:
     """A 2-D plan: linear split along out features and the contracted dim at once."""
     call, values = make_call("aten.linear.default", [r(4, 8), r(6, 8), r(6)])

@@ -107,6 +107,8 @@ def edge_problems(m: Materialized, key: EdgeKey, *, seed: int = 0) -> list[str]:
     out += [f"edge {key} forward: {p}" for p in verify_adapter(edge.adapter, seed=seed,
                                                                 atol=_atol(m.dtype))]
     back = edge.adapter.backward
+    if not (edge.adapter.dtype.is_floating_point or edge.adapter.dtype.is_complex):
+        return out  # a mask or index tensor carries no gradient: its backward never runs
     if back is None:
         out.append(f"edge {key}: no backward adapter")
     else:

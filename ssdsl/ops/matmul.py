@@ -6,7 +6,7 @@ from __future__ import annotations
 import string
 from collections.abc import Mapping
 
-from ssdsl.ops.build import broadcast, plain, set_arg
+from ssdsl.ops.build import broadcast, first_value_part, plain, set_arg
 from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, register
 
 
@@ -29,8 +29,7 @@ def _drop_bias_outside_first(bias_pos: int, name: str):
     """Lowering for ops with a bias: a part off the start of a reduced dim must not add it."""
     def lower(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
               kwargs: dict) -> LocalCall:
-        first = all(ranges.get(r, (0, 1))[0] == 0 for r in ann.reduced)
-        if not first:
+        if not first_value_part(ann, ranges):
             args, kw = set_arg(args, kwargs, bias_pos, name, None)
             return LocalCall(call.op.target, args, kw)
         return LocalCall(call.op.target, args, tuple(kwargs.items()))
@@ -94,8 +93,7 @@ def _rename(label: str, out) -> str:
 
 
 def _drop_addmm_bias(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
-    first = ranges.get("k", (0, 1))[0] == 0
-    if first:
+    if first_value_part(ann, ranges):
         return LocalCall(call.op.target, args, tuple(kwargs.items()))
     # beta=0 makes the bias ignored (NaNs included) in a part off the start of k.
     kw = {**kwargs, "beta": 0}
