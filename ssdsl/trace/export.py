@@ -19,6 +19,7 @@ from ssdsl.errors import SsdslError
 from ssdsl.ir.graph import Graph, Op, TensorInfo, TensorRef
 from ssdsl.trace.dims import flow_names
 from ssdsl.trace.model_file import ModelFile
+from ssdsl.trace.shared import share_parameters
 
 # Short kind names for selectors, where the ATen name is long.
 KIND_NAMES = {"scaled_dot_product_attention": "sdpa", "cross_entropy_loss": "cross_entropy",
@@ -118,9 +119,11 @@ def graph_from_export(ep: torch.export.ExportedProgram,
                 ops.append(op)
         elif node.op == "output":
             output = _user_output(ep, node, alias)
+    ops = share_parameters(ops, tensors, params, _aliases(model, params))
     tensors = flow_names(tuple(ops), tensors, seeds or {})
     return Graph(ops=tuple(ops), tensors=tensors, params=params, buffers=buffers,
-                 inputs=tuple(inputs), output=output, aliases=_aliases(model, params), constants=constants)
+                 inputs=tuple(inputs), output=output, aliases=_aliases(model, params),
+                 constants=constants)
 
 
 def _strip(qualname: str) -> str:
