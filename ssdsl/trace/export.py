@@ -56,7 +56,11 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
         with torch.device(device):
             model = model_file.build(seed=seed)
     dev = _device_of(model, device)
-    batch = tuple(t.to(dev) for t in (*inputs, target))
+    # a model cast to another floating dtype (``--dtype float64``) gets its floating inputs in
+    # that dtype, as the runtime and the reference give them (``to_dtype``); integer tokens stay
+    dtype = _float_dtype_of(model)
+    batch = tuple(t.to(dev, dtype) if dtype is not None and t.is_floating_point() else t.to(dev)
+                  for t in (*inputs, target))
     try:
         ep = torch.export.export(_TrainingForward(model, model_file.loss), batch, strict=False)
     except SsdslError:
@@ -74,6 +78,14 @@ def _device_of(model: torch.nn.Module, default: str) -> torch.device:
     for t in (*model.parameters(), *model.buffers()):
         return t.device
     return torch.device(default)
+
+
+def _float_dtype_of(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of the model's floating parameters (buffers when it has none), or None."""
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return None
 
 
 def _input_seeds(model_file: ModelFile, ep, n_inputs: int) -> dict[tuple[str, int], str]:
