@@ -470,8 +470,9 @@ def verify_adapter(adapter: Adapter, *, seed: int = 0, atol: float = 1e-5) -> li
             partial.setdefault((reg.intervals, reg.part[1]), {}).setdefault(reg.part[0], value)
             partial[(reg.intervals, reg.part[1])].setdefault(-1, want)
         elif not _close(value, want, atol):
+            error = (value.double() - want.double()).abs().max().item()
             problems.append(f"device {dev} slot {slot} ({reg!r}): wrong values, max error "
-                            f"{(value - want).abs().max().item():.3g}")
+                            f"{error:.3g}")
     for (ivs, v), by_k in partial.items():
         want = by_k.pop(-1)
         if len(by_k) == v and not _close(sum(by_k.values()), want, atol):
