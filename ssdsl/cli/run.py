@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
                          hint="choose a new file name or remove the old one")
     spec = JobSpec(args.model, args.plan, tuple(parse_sets(args.set).items()), args.steps, args.batch_size,
                    args.seed, args.dtype, args.optimizer, args.lr)
+    planned = None
     if under_torchrun():
         result = rank_main(spec)
         if result is None:
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         nproc = args.nproc or 1
         # Plan once here, exactly as every rank will: a bad model file or plan fails now, once,
         # with its location and exit status 2, instead of in N processes after they started.
-        plan_job(spec, nproc)
+        planned = plan_job(spec, nproc)
         if args.json:
             result = launch(rank_main, nproc=nproc, args=(spec,), timeout_s=args.timeout)[0]
         else:
@@ -86,14 +87,16 @@ def run(args: argparse.Namespace) -> int:
         expected = RunRecord(losses=ref.losses,
                              final_state={k: v for k, v in ref.final_state.items()
                                           if k in result["params"]})
+        precision = _precision(planned or plan_job(spec, nproc), DTYPES[args.dtype])
         verdict = compare_runs(expected, mine, tolerance=tolerance_for(
-            DTYPES[args.dtype], reordered_sums=True))
+            precision.dtype, reordered_sums=True))
     if args.json:
         import json
         out = {"model": args.model, "plan": args.plan, "nproc": nproc, "steps": args.steps,
                "losses": result["losses"], "accounting": result["accounting"],
                "ranks": [_asdict(r) for r in result["ranks"]],
                "check": verdict.as_dict() if verdict else None,
+               "check_precision": precision.note() if verdict else None,
                "ok": None if verdict is None else verdict.ok}
         print(json.dumps(out, indent=2, default=str))
     else:
@@ -109,8 +112,17 @@ def run(args: argparse.Namespace) -> int:
                           f"{rr['samples_per_s']:.1f} samples/s, peak memory "
                           f"{rr['peak_memory_bytes'] / 2**20:.0f} MiB")
         if verdict is not None:
+            if precision.note():
+                console.print(f"note: {precision.note()}")
             console.print(verdict.summary())
     return 0 if verdict is None or verdict.ok else 1
+
+
+def _precision(planned, dtype):
+    """The precision the planned model computes in (``ssdsl.trace.precision``)."""
+    from ssdsl.trace.precision import computing_precision
+    _, m, _ = planned
+    return computing_precision(m.transformed.graph, dtype)
 
 
 def save_atomically(state: dict, path: Path) -> None:
