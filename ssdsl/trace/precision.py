@@ -31,8 +31,8 @@ class Precision:
         if self.op is None:
             return None
         where = f" in '{self.module}'" if self.module else ""
-        return (f"the model computes in {_short(self.dtype)} from operator '{self.op}'{where} "
-                f"on: the check uses {_short(self.dtype)}'s tolerance")
+        return (f"part of the model computes in {_short(self.dtype)} (first at operator "
+                f"'{self.op}'{where}): the check uses {_short(self.dtype)}'s tolerance")
 
 
 def computing_precision(graph: Graph, dtype: torch.dtype) -> Precision:
