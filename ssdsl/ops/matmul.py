@@ -95,9 +95,12 @@ def _rename(label: str, out) -> str:
 def _drop_addmm_bias(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
     if first_value_part(ann, ranges):
         return LocalCall(call.op.target, args, tuple(kwargs.items()))
-    # beta=0 makes the bias ignored (NaNs included) in a part off the start of k.
-    kw = {**kwargs, "beta": 0}
-    return LocalCall(call.op.target, args, tuple(kw.items()))
+    # A part off the start of k computes alpha * (a @ b) only: without the bias slot, the bias
+    # is not read there at all, so (as for a linear's bias) only the first part holds it and its
+    # gradient needs no sum across the parts.
+    (_, a, b), alpha = args[:3], args[4] if len(args) > 4 else kwargs.get("alpha", 1)
+    target = "aten.mm.default" if call.op.target == "aten.addmm.default" else "aten.bmm.default"
+    return LocalCall(target, (a, b), (), scale=float(alpha))
 
 
 @register("aten.einsum.default")

@@ -52,17 +52,29 @@ class _Builder:
             raise MissingDim(self._missing_message(names, d.dim), d.span)
         # The split follows the data inside the selection: an operator without the dim whose
         # input carries a dim split here (the GELU between Megatron's two MLP linears) is split
-        # along the dim that input flows into; operators reached by no split are replicated.
+        # along the dim that input flows into; then, backwards, one whose output feeds a dim
+        # split here (the view before an HF Conv1D's addmm) is split along the dim that output
+        # comes from, so the split tensor is made split instead of gathered and cut again.
+        # Operators reached by no split are replicated.
         flowing: dict[str, int] = {}
+        chosen: dict[str, str | None] = {}
+        for name in names:
+            chosen[name] = labels[name] or self._follow(name, flowing)
+            if chosen[name] is not None:
+                self._record(name, chosen[name], flowing)
+        wanted: dict[str, tuple[int, int, int]] = {}
+        for name in reversed(names):
+            if chosen[name] is None:
+                chosen[name] = self._follow_back(name, wanted)
+            if chosen[name] is not None:
+                self._record_inputs(name, chosen[name], wanted)
         lacking: list[str] = []
         for name in names:
-            label = labels[name] or self._follow(name, flowing)
-            if label is None:
+            if chosen[name] is None:
                 lacking.append(name)
                 self._replicate_op(name, prefix, d.parts, d.span)
-                continue
-            self._split_op(name, prefix, label, d.parts, d.span)
-            self._record(name, label, flowing)
+            else:
+                self._split_op(name, prefix, chosen[name], d.parts, d.span)
         if lacking:
             self.notes.append(f"{d.span}: {len(lacking)} operator(s) without dim '{d.dim}' "
                               f"replicated into {d.parts} (e.g. '{lacking[0]}')")
@@ -90,6 +102,35 @@ class _Builder:
             label = sig[dim][0].label
             if marks[label].mark == "spatial":
                 return label
+        return None
+
+    def _record_inputs(self, name: str, label: str, wanted: dict[str, tuple[int, int, int]]
+                       ) -> None:
+        """Note, for each input of ``name``, the dim and factor position (of how many) that the
+        split ``label`` lies on."""
+        ann = self.anns[name]
+        op = self.graph.op(name)
+        for tensor, sig in zip(op.inputs, ann.inputs):
+            for dim, factors in enumerate(sig):
+                for pos, f in enumerate(factors):
+                    if f.label == label:
+                        wanted.setdefault(tensor, (dim, pos, len(factors)))
+
+    def _follow_back(self, name: str, wanted: dict[str, tuple[int, int, int]]) -> str | None:
+        """The spatial label of ``name`` whose output dim a later split of the selection reads
+        split, if any (the factor at the same position of a dim cut alike)."""
+        ann = self.anns[name]
+        if isinstance(ann, NotAnnotated):
+            return None
+        marks = ann.labels()
+        op = self.graph.op(name)
+        for tensor, sig in zip(op.outputs, ann.outputs):
+            if tensor not in wanted:
+                continue
+            dim, pos, n = wanted[tensor]
+            if dim < len(sig) and len(sig[dim]) == n and \
+                    marks[sig[dim][pos].label].mark == "spatial":
+                return sig[dim][pos].label
         return None
 
     def _label(self, name: str, dim: str) -> str | None:
