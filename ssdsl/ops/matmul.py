@@ -69,7 +69,18 @@ def matmul(call: Call) -> Annotation:
         asig, out = asig[-1:], out[:-2] + out[-1:]
     if len(b) == 1:
         bsig, out = bsig[-2:-1], out[:-1]
-    return Annotation((asig, bsig), (tuple(out),), reduced=frozenset({"k"}))
+    return Annotation((asig, bsig), (tuple(out),), reduced=frozenset({"k"}),
+                      names=_heads(a2, b2, bout))
+
+
+def _heads(a, b, bout) -> dict[str, str]:
+    """Attention written out (``q @ k.transpose(-2, -1)``, softmax, ``@ v``, as timm's default
+    attention is) has the layout of ``sdpa``'s operands, (batch, heads, tokens, features): the
+    innermost of two or more batch dims, present whole in both operands, introduces the flowing
+    name ``heads``, as ``sdpa`` does. A dim named from the model's inputs keeps its name."""
+    if len(bout) < 2 or len(a) < 4 or len(b) < 4 or a[-3] != b[-3] or a[-3] == 1:
+        return {}
+    return {bout[-1][0].label: "heads"}
 
 
 @register("aten.addmm.default", "aten.baddbmm.default")
