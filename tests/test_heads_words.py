@@ -49,3 +49,24 @@ def test_partition_along_heads_matches_the_plain_model() -> None:
     assert "all_gather" not in acc["forward"] and "all_gather" not in acc["backward"]
     verdict = verify_plan(m, model_file=mf)
     assert verdict.ok, verdict.problems[:5]
+
+
+def _ranges(graph, body: str, op_module: str) -> set:
+    plan = "plan p(n: int = world)\n" + body + "replicate rest into n\nassign each part i to device i\n"
+    t = transform(graph, elaborate_text(plan, "p.ssp", world=2))
+    op = next(o for o in graph.ops if o.module == op_module and o.kind in ("linear", "addmm"))
+    return {p.ranges for p in t.parts[op.name]}
+
+
+def test_out_on_a_fused_qkv_linear_splits_the_heads_and_factors_are_writable() -> None:
+    from tests.test_materialize_graph import gpt
+    _, graph, _ = gpt()
+    qkv = next(o for o in graph.ops if o.module == "h.0.attn.c_attn")
+    heads = label_for_name(graph, qkv, "heads")[1]
+    by_out = _ranges(graph, "partition h.0.attn.c_attn along out into n\n", "h.0.attn.c_attn")
+    assert {tuple(dict(r)) for r in by_out} == {(heads,)}
+    assert by_out == _ranges(graph, "partition h.0.attn.c_attn along heads into n\n",
+                             "h.0.attn.c_attn")
+    # the table writes factors with '_' (the grammar has no dotted names); a plan reads them back
+    inner = _ranges(graph, "partition h.0.attn.c_attn along n_2 into n\n", "h.0.attn.c_attn")
+    assert {tuple(dict(r)) for r in inner} == {("n.2",)}

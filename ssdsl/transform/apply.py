@@ -44,7 +44,7 @@ class _Builder:
                 require(self.anns[names[0]], self.graph.op(names[0]))
             except NotAnnotatedError as err:
                 raise _at(err, d.span) from None
-        labels = {n: self._label(n, d.dim) for n in names}
+        labels = {n: self._label(n, d.dim, d.parts) for n in names}
         if not any(labels.values()):
             raise MissingDim(self._missing_message(names, d.dim), d.span,
                              hint="`ssdsl trace MODEL` shows each operator's dims")
@@ -133,15 +133,27 @@ class _Builder:
                 return sig[dim][pos].label
         return None
 
-    def _label(self, name: str, dim: str) -> str | None:
+    def _label(self, name: str, dim: str, parts: int | None = None) -> str | None:
+        """The label of ``name`` that a plan's ``dim`` names: a label, a flowing name or a word
+        (``out``), where a factor may be written with ``_`` (``n_1``, ``height_1``: the
+        grammar's names have no dots). A word whose label the tracer cut into factors (a fused
+        QKV linear's ``out`` is ``(3 heads d)``) names the first factor that carries a flowing
+        name and divides into ``parts``, else the first that divides, else the first."""
         ann = self.anns[name]
         if isinstance(ann, NotAnnotated):
             return None
         labels = ann.labels()
         dim = ann.words.get(dim, dim)
-        for cand in (dim, ann.label_for(dim), f"{dim}.0"):
+        dotted = dim.replace("_", ".")
+        for cand in (dim, ann.label_for(dim), dotted, ann.label_for(dotted)):
             if cand and cand in labels:
                 return cand
+        factors = [lab for lab in labels if lab.startswith(f"{dim}.")
+                   and labels[lab].mark != "frozen"]
+        fits = [lab for lab in factors if parts is None or labels[lab].size % parts == 0]
+        for group in ([lab for lab in fits if lab in ann.names], fits, factors):
+            if group:
+                return group[0]
         return None
 
     def _missing_message(self, names: Sequence[str], dim: str) -> str:
