@@ -96,6 +96,8 @@ def _samples() -> dict[str, list]:
         "aten.mm.default": [([r(4, 8), r(8, 6)], {})],
         "aten.bmm.default": [([r(2, 4, 8), r(2, 8, 6)], {})],
         "aten.addmm.default": [([r(6), r(4, 8), r(8, 6)], {})],
+        "aten.pad.default": [([r(2, 4, 6), [0, 0, 1, 2]], {}), ([r(2, 4, 6), [0, 0, 0, 0]], {})],
+        "aten.constant_pad_nd.default": [([r(2, 4, 6), [1, 1], 0.5], {})],
         "aten.baddbmm.default": [([r(2, 4, 6), r(2, 4, 8), r(2, 8, 6)], {})],
         "aten.einsum.default": [(["bik,bkj->bij", [r(2, 4, 8), r(2, 8, 6)]], {}),
                                 (["...ij,jk->...ik", [r(2, 4, 6), r(6, 4)]], {}),
