@@ -17,6 +17,7 @@ import torch.fx
 
 from ssdsl.errors import SsdslError
 from ssdsl.ir.graph import Graph, Op, TensorInfo, TensorRef
+from ssdsl.trace.aligned import align_arange_indices
 from ssdsl.trace.dims import flow_names
 from ssdsl.trace.model_file import ModelFile
 from ssdsl.trace.shared import share_parameters
@@ -131,6 +132,7 @@ def graph_from_export(ep: torch.export.ExportedProgram,
                 ops.append(op)
         elif node.op == "output":
             output = _user_output(ep, node, alias)
+    ops = align_arange_indices(ops, tensors)
     ops = share_parameters(ops, tensors, params, _aliases(model, params))
     tensors = flow_names(tuple(ops), tensors, seeds or {})
     return Graph(ops=tuple(ops), tensors=tensors, params=params, buffers=buffers,
