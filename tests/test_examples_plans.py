@@ -23,11 +23,8 @@ EXACT = ["--check", "--dtype", "float64", "--optimizer", "sgd", "--steps", "2", 
 HF = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                         reason="transformers is not installed")
 TIMM = pytest.mark.skipif(importlib.util.find_spec("timm") is None, reason="timm is not installed")
-# finding 4 of issue 10, not done: HF decoders build their masks with torch.arange(batch_size)
-# used as an index, which micro-batches cannot yet split alike
-ARANGE = pytest.mark.xfail(strict=True, reason="HF mask builders index with arange(batch)")
 
-# model -> (marks, megatron names, blocks, rows of the 3-D plan's megatron group per layer)
+# model -> (skip mark, megatron_tp's module names, transformer blocks)
 MODELS = {
     "hf_gpt2": (HF, {"blocks": "lm.transformer.h.*"}, 2),
     "hf_llama": (HF, {"blocks": "lm.model.layers.*", "attn": "self_attn",
@@ -58,8 +55,6 @@ def _cases():
     for model, (mark, names, _) in MODELS.items():
         for plan in PLANS:
             marks = [mark, pytest.mark.slow]
-            if model in ("hf_gpt2", "hf_llama") and plan in ("1f1b", "3d"):
-                marks.append(ARANGE)
             yield pytest.param(model, plan, marks=marks, id=f"{model}-{plan}")
 
 
