@@ -25,7 +25,8 @@ import torch
 from ssdsl.materialize.program import Materialized
 from ssdsl.runtime import dist as sdist
 from ssdsl.runtime.executor import RankProgram, assemble, create_groups
-from ssdsl.runtime.job import DTYPES, JobSpec, plan_job
+from ssdsl.runtime.job import DTYPES, JobSpec, plan_with_state
+from ssdsl.runtime.preflight import Verification, verify_before_launch
 from ssdsl.runtime.train import OptimizerSpec
 
 
@@ -37,6 +38,8 @@ class ParallelModel:
         self.plan = materialized
         self.rank = ctx.rank
         self.world_size = ctx.world_size
+        # what verification before training found (set by ``parallelize``)
+        self.verification: Verification | None = None
 
     def train_step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...],
                    target: torch.Tensor) -> float:
@@ -65,12 +68,17 @@ class ParallelModel:
 
 def parallelize(model_file: str, plan: str, *, sets: Mapping[str, str] | None = None,
                 seed: int = 0, dtype: str = "float32", optimizer: str = "model",
-                lr: float | None = None, batch_size: int | None = None) -> ParallelModel:
+                lr: float | None = None, batch_size: int | None = None,
+                verify: bool = True) -> ParallelModel:
     """Plan ``model_file`` with ``plan`` (a ``.ssp`` path or stdlib name) for this job's ranks.
 
     Joins the process group from the environment when it is not initialized yet. Every rank
     must call it with the same arguments. ``batch_size`` is the global batch the graph is traced
     with (default: the model file's ``BATCH_SIZE``); ``train_step`` must be given batches of it.
+
+    Before anything trains, one step of all ranks is simulated in this process against the plain
+    model (``verify=False`` skips it); a difference raises ``TrainsDifferently`` on every rank,
+    and a plan that could not be verified says so in a warning (``pm.verification`` tells).
     """
     if dtype not in DTYPES:
         from ssdsl.errors import UsageError
@@ -78,7 +86,13 @@ def parallelize(model_file: str, plan: str, *, sets: Mapping[str, str] | None = 
     ctx = sdist.init_from_env()
     spec = JobSpec(model_file, plan, tuple((sets or {}).items()), batch_size=batch_size,
                    seed=seed, dtype=dtype, optimizer=optimizer, lr=lr)
-    mf, m, model = plan_job(spec, ctx.world_size)
-    program = RankProgram(m, ctx.rank, mf, model, dtype=DTYPES[dtype],
+    verification = verify_before_launch(spec, ctx.world_size, enabled=verify)
+    if not verification.verified and ctx.rank == 0:
+        import warnings
+        warnings.warn(f"ssdsl: {verification.line()}", stacklevel=2)
+    mf, m, source = plan_with_state(spec, ctx)  # this rank's shards only, never the model
+    program = RankProgram(m, ctx.rank, mf, source, dtype=DTYPES[dtype],
                           optimizer=OptimizerSpec(optimizer, lr), groups=create_groups(m))
-    return ParallelModel(program, m, ctx)
+    pm = ParallelModel(program, m, ctx)
+    pm.verification = verification
+    return pm

@@ -10,7 +10,7 @@ import torch
 
 from ssdsl.elaborate import elaborate_text
 from ssdsl.materialize.program import materialize
-from ssdsl.materialize.verify import verify_plan
+from ssdsl.runtime.verify import verify_plan
 from ssdsl.ops import label_for_name
 from ssdsl.trace import trace
 from ssdsl.trace.model_file import load_model_file

@@ -13,7 +13,7 @@ import torch
 
 from ssdsl.elaborate import elaborate_file
 from ssdsl.materialize.program import materialize
-from ssdsl.materialize.verify import verify_plan
+from ssdsl.runtime.verify import verify_plan
 from ssdsl.trace import trace
 from ssdsl.trace.model_file import load_model_file
 from ssdsl.transform import transform

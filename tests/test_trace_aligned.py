@@ -12,7 +12,7 @@ import torch
 from ssdsl.elaborate import elaborate_file
 from ssdsl.ir.interpret import run_graph
 from ssdsl.materialize.program import materialize
-from ssdsl.materialize.verify import verify_plan
+from ssdsl.runtime.verify import verify_plan
 from ssdsl.schedule.resolve import resolve_pipeline
 from ssdsl.trace import trace
 from ssdsl.trace.model_file import load_model_file

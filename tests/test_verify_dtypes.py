@@ -10,7 +10,7 @@ import torch
 
 from ssdsl.ir.layout import Layout
 from ssdsl.materialize.plan import plan_adapter
-from ssdsl.runtime.comm import verify_adapter
+from ssdsl.runtime.adapters import verify_adapter
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float64])

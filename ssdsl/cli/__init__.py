@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from ssdsl.errors import SsdslError
 
 # In the order ``ssdsl --help`` lists them, which is the order a user meets them.
-COMMANDS = ("plans", "trace", "check", "fmt", "show", "compile", "run")
+COMMANDS = ("plans", "trace", "check", "fmt", "show", "cost", "compile", "run")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import torch
+import attrs
 from rich.console import Console
 
 from ssdsl.cli.check import parse_sets
@@ -30,17 +32,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--check", action="store_true",
                    help="also train the single-device reference and compare")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the check before launch (one step of all ranks simulated in this "
+                   "process against the plain model); the output then says it was skipped")
     p.add_argument("--json", action="store_true", help="print a machine-readable result")
     p.add_argument("--save", metavar="FILE", default=None,
                    help="write the final parameters, merged into one single-device state dict "
                    "(torch.save), atomically; an existing FILE is never overwritten")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is ended")
+    p.add_argument("--compiled", metavar="DIR", default=None,
+                   help="run the per-rank files `ssdsl compile` wrote into DIR (rank<N>.py)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the runtime pulls in torch.distributed, which other commands do not need.
-    from ssdsl.runtime.job import DTYPES, JobSpec, plan_job, rank_main
+    from ssdsl.runtime.job import DTYPES, JobSpec, rank_main
     from ssdsl.runtime.launch import launch, under_torchrun
     from ssdsl.runtime.reference import compare_runs, run_reference, tolerance_for, RunRecord
     from ssdsl.runtime.train import OptimizerSpec
@@ -54,9 +61,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--save: {args.save} exists; ssdsl does not overwrite files",
                          hint="choose a new file name or remove the old one")
     spec = JobSpec(args.model, args.plan, tuple(parse_sets(args.set).items()), args.steps, args.batch_size,
-                   args.seed, args.dtype, args.optimizer, args.lr)
-    planned = None
+                   args.seed, args.dtype, args.optimizer, args.lr, compiled=args.compiled)
+    from ssdsl.runtime.init import initial_state_file
+    from ssdsl.runtime.preflight import verify_before_launch
     if under_torchrun():
+        # every rank verifies (the same, deterministic answer), so that all of them stop together
+        verification = verify_before_launch(spec, int(os.environ["WORLD_SIZE"]),
+                                            enabled=not args.no_verify)
+        if os.environ.get("RANK") == "0":
+            print(verification.line(), file=sys.stderr)
         result = rank_main(spec)
         if result is None:
             return 0
@@ -64,18 +77,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         nproc = args.nproc or 1
         # Plan once here, exactly as every rank will: a bad model file or plan fails now, once,
-        # with its location and exit status 2, instead of in N processes after they started.
-        planned = plan_job(spec, nproc)
-        if args.json:
-            result = launch(rank_main, nproc=nproc, args=(spec,), timeout_s=args.timeout)[0]
-        else:
-            from ssdsl.runtime.train import LiveView
-            with LiveView(nproc=nproc, steps=args.steps,
-                          title=f"ssdsl run {args.model} {args.plan}") as view:
-                result = launch(rank_main, nproc=nproc, args=(spec,), timeout_s=args.timeout,
-                                on_event=view.on_event)[0]
+        # with its location and exit status 2, instead of in N processes after they started;
+        # and verify it against the plain model (DESIGN §7), or say that it was not.
+        verification = verify_before_launch(spec, nproc, enabled=not args.no_verify)
+        print(verification.line(), file=sys.stderr)
+        # the seeded model's state, written once here: each rank maps it and copies its regions
+        with initial_state_file(load_model_file(args.model), seed=args.seed) as init_file:
+            ranks = attrs.evolve(spec, init_file=init_file)
+            if args.json:
+                result = launch(rank_main, nproc=nproc, args=(ranks,), timeout_s=args.timeout)[0]
+            else:
+                from ssdsl.runtime.train import LiveView
+                with LiveView(nproc=nproc, steps=args.steps,
+                              title=f"ssdsl run {args.model} {args.plan}") as view:
+                    result = launch(rank_main, nproc=nproc, args=(ranks,),
+                                    timeout_s=args.timeout, on_event=view.on_event)[0]
     if args.save:
-        save_atomically(result["params"], Path(args.save))
+        _saved_at(Path(args.save), save_atomically(result["params"], Path(args.save)))
     console = Console(file=sys.stdout, soft_wrap=True)
     verdict = None
     if args.check:
@@ -87,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         expected = RunRecord(losses=ref.losses,
                              final_state={k: v for k, v in ref.final_state.items()
                                           if k in result["params"]})
-        precision = _precision(planned or plan_job(spec, nproc), DTYPES[args.dtype])
+        precision = _precision(args.model, DTYPES[args.dtype])
         verdict = compare_runs(expected, mine, tolerance=tolerance_for(
             precision.dtype, reordered_sums=True))
     if args.json:
@@ -97,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
                "ranks": [_asdict(r) for r in result["ranks"]],
                "check": verdict.as_dict() if verdict else None,
                "check_precision": precision.note() if verdict else None,
+               "verify": verification.as_dict(),
                "ok": None if verdict is None else verdict.ok}
         print(json.dumps(out, indent=2, default=str))
     else:
@@ -118,35 +137,66 @@ def run(args: argparse.Namespace) -> int:
     return 0 if verdict is None or verdict.ok else 1
 
 
-def _precision(planned, dtype):
-    """The precision the planned model computes in (``ssdsl.trace.precision``)."""
+def _precision(model_file: str, dtype):
+    """The precision the model computes in under ``dtype`` (``ssdsl.trace.precision``)."""
+    import torch
+    from ssdsl.trace import trace
+    from ssdsl.trace.model_file import load_model_file
     from ssdsl.trace.precision import computing_precision
-    _, m, _ = planned
-    return computing_precision(m.transformed.graph, dtype)
+    mf = load_model_file(model_file)
+    model = mf.build(seed=0).to(dtype)
+    return computing_precision(trace(mf, device="cpu", model=model), dtype)
 
 
-def save_atomically(state: dict, path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then link it into place.
+def save_atomically(state: dict, path: Path) -> Path:
+    """``torch.save`` to a temporary file beside ``path``, then link it into place; the path
+    written is returned.
 
     ``os.link`` fails when ``path`` appeared meanwhile, so a file created by someone else between
-    the check and the write is not replaced either.
+    the check and the write is never replaced; the trained parameters are then linked under the
+    first free name beside it (``model.1.pt``, ``model.2.pt``, ...) instead of being lost. A
+    directory that cannot be written falls back to the current directory.
     """
     import os
     import tempfile
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError:
+        path = Path.cwd() / path.name
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise UsageError(f"--save: {path} appeared while training; it was not overwritten",
-                             hint=f"the parameters were not saved") from None
+        for candidate in _fresh_names(path):
+            try:
+                os.link(tmp, candidate)
+                return candidate
+            except FileExistsError:
+                continue
+        raise UsageError(f"--save: {path} and 1,000 names beside it exist; nothing was "
+                         "overwritten, and the parameters were not saved")  # pragma: no cover
     finally:
         os.unlink(tmp)
+
+
+def _fresh_names(path: Path):
+    """``path``, then ``stem.1.suffix`` ... ``stem.999.suffix`` beside it."""
+    yield path
+    for n in range(1, 1000):
+        yield path.with_name(f"{path.stem}.{n}{path.suffix}")
+
+
+def _saved_at(asked: Path, written: Path) -> None:
+    """Say where the parameters went when it is not where they were asked to go."""
+    if written.parent != asked.parent:
+        print(f"--save: {asked.parent} cannot be written; the trained parameters were saved to "
+              f"{written}", file=sys.stderr)
+    elif written != asked:
+        print(f"--save: {asked} appeared while training and was not overwritten; the trained "
+              f"parameters were saved to {written}", file=sys.stderr)
 
 
 def _asdict(r) -> dict:

@@ -8,12 +8,15 @@ Every rank derives the same plan from the same inputs, so nothing but tensors cr
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-from ssdsl.check import check_schedule
+from ssdsl.check import check_programs, check_schedule
+from ssdsl.lower import lower_plan
 from ssdsl.elaborate import elaborate_file
 from ssdsl.materialize.program import Materialized, materialize
 from ssdsl.runtime import dist as sdist
@@ -44,17 +47,51 @@ class JobSpec:
     dtype: str = "float32"
     optimizer: str = "model"
     lr: float | None = None
+    # a folder of files `ssdsl compile` wrote: each rank runs its rank<N>.py
+    compiled: str | None = None
+    # the seeded model's state written by the launching process (``ssdsl.runtime.init``);
+    # None: the ranks make it themselves (under torchrun)
+    init_file: str | None = None
 
 
 def plan_job(spec: JobSpec, world: int) -> tuple[Any, Materialized, torch.nn.Module]:
-    """Model file, materialized plan and the seeded full model (CPU), as every rank builds them."""
+    """Model file, materialized plan and the seeded full model (CPU), as every rank builds them.
+
+    With ``spec.compiled`` the graph is traced on the meta device, as ``ssdsl compile`` traces
+    it, so that the plan is the one the files were written from."""
     mf = load_model_file(spec.model)
     dtype = DTYPES[spec.dtype]
     model = mf.build(seed=spec.seed).to(dtype=dtype)
-    graph = trace(mf, device="cpu", batch_size=spec.batch_size, model=model)
+    if spec.compiled is not None:
+        _check_compiled(spec.compiled, world)
+        graph = trace(mf, device="meta", batch_size=spec.batch_size)
+    else:
+        graph = trace(mf, device="cpu", batch_size=spec.batch_size, model=model)
     plan = elaborate_file(spec.plan, world=world, sets=dict(spec.sets))
     t, lowered = schedule_plan(graph, plan)
-    return mf, materialize(t, dtype=dtype, schedule=lowered), model
+    m = materialize(t, dtype=dtype, schedule=lowered)
+    check_programs(lower_plan(m).programs, m=m)  # what every rank will run, before it runs
+    return mf, m, model
+
+
+def plan_for_ranks(spec: JobSpec, world: int) -> tuple[Any, Materialized, bool]:
+    """Model file and materialized plan as a rank makes them: traced on ``meta`` (the model's
+    tensors are never built), creation operators moved back to the CPU. The flag is False when
+    the trace lifted tensor constants: then the plan comes from a real trace, and the caller
+    must initialise from the real model (``plan_job``)."""
+    from ssdsl.runtime.init import has_tensor_constants, on_device
+    mf = load_model_file(spec.model)
+    dtype = DTYPES[spec.dtype]
+    with torch.device("meta"):
+        model = mf.build(seed=spec.seed).to(dtype=dtype)
+    graph = trace(mf, device="meta", batch_size=spec.batch_size, model=model)
+    if has_tensor_constants(graph):
+        return (*plan_job(spec, world)[:2], False)
+    plan = elaborate_file(spec.plan, world=world, sets=dict(spec.sets))
+    t, lowered = schedule_plan(on_device(graph, "cpu"), plan)
+    m = materialize(t, dtype=dtype, schedule=lowered)
+    check_programs(lower_plan(m).programs, m=m)  # what every rank will run, before it runs
+    return mf, m, True
 
 
 def schedule_plan(graph: Any, plan: Any) -> tuple[Transformed, Lowered | None]:
@@ -64,6 +101,30 @@ def schedule_plan(graph: Any, plan: Any) -> tuple[Transformed, Lowered | None]:
         check_schedule(lowered.schedule)
         _refuse_split_backward(lowered)
     return t, lowered
+
+
+class CompiledFilesMissing(SsdslError):
+    """``--compiled DIR`` lacks the file of a rank."""
+
+
+def _check_compiled(folder: str, world: int) -> None:
+    missing = [f"rank{r}.py" for r in range(world) if not (Path(folder) / f"rank{r}.py").is_file()]
+    if missing:
+        raise CompiledFilesMissing(f"--compiled {folder}: no {', '.join(missing[:3])}",
+                                   hint=f"compile with `ssdsl compile MODEL PLAN --world {world} "
+                                   f"-o {folder}`")
+
+
+def _rank_program(spec: JobSpec, m: Materialized, rank: int, mf: Any, model: torch.nn.Module,
+                  groups: Any) -> RankProgram:
+    """The interpreter of this rank's program, or its compiled file (``spec.compiled``)."""
+    kwargs = dict(dtype=DTYPES[spec.dtype], optimizer=OptimizerSpec(spec.optimizer, spec.lr),
+                  groups=groups)
+    if spec.compiled is None:
+        return RankProgram(m, rank, mf, model, **kwargs)
+    from ssdsl.runtime.compiled import GeneratedRankProgram, load_program_file
+    module = load_program_file(Path(spec.compiled) / f"rank{rank}.py")
+    return GeneratedRankProgram(m, rank, mf, model, module=module, **kwargs)
 
 
 class SplitBackwardNotRun(SsdslError):
@@ -83,12 +144,10 @@ def _refuse_split_backward(lowered: Lowered) -> None:
 def rank_main(spec: JobSpec) -> dict[str, Any] | None:
     """Train on this rank; rank 0 returns losses, final parameters and per-rank metrics."""
     with sdist.distributed() as ctx:
-        mf, m, model = plan_job(spec, ctx.world_size)
+        mf, m, source = plan_with_state(spec, ctx)
         groups = create_groups(m)
-        dtype = DTYPES[spec.dtype]
-        prog = RankProgram(m, ctx.rank, mf, model, dtype=dtype,
-                           optimizer=OptimizerSpec(spec.optimizer, spec.lr), groups=groups)
-        del model  # this rank keeps only its shards
+        prog = _rank_program(spec, m, ctx.rank, mf, source, groups)
+        del source  # this rank keeps only its shards
         bs = spec.batch_size or mf.batch_size
         metrics = MetricsCollector(rank=ctx.rank, samples_per_step=bs, device=ctx.device)
         comm = m.accounting()["total_bytes"]
@@ -104,3 +163,23 @@ def rank_main(spec: JobSpec) -> dict[str, Any] | None:
             return None
         return {"losses": losses, "params": assemble([s for r in shards for s in r]),
                 "ranks": summaries, "accounting": m.accounting()}
+
+
+def plan_with_state(spec: JobSpec, ctx: sdist.DistContext) -> tuple[Any, Materialized, Any]:
+    """This rank's plan and where its initial shards come from, without building the model:
+    the launcher's state file, else one written by local rank 0 (``ssdsl.runtime.init``)."""
+    import torch.distributed as dist
+    from ssdsl.runtime.init import StateFile, shared_state_file
+    if spec.compiled is not None:  # the files were written from their own plan: as before
+        mf, m, model = plan_job(spec, ctx.world_size)
+        return mf, m, model
+    mf, m, planned_on_meta = plan_for_ranks(spec, ctx.world_size)
+    if not planned_on_meta:  # tensor constants: the real model is needed (a stated limit)
+        _, m, model = plan_job(spec, ctx.world_size)
+        return mf, m, model
+    if spec.init_file is not None:
+        return mf, m, StateFile(spec.init_file)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    key = os.environ.get("TORCHELASTIC_RUN_ID", "") + os.environ.get("MASTER_PORT", "")
+    return mf, m, shared_state_file(mf, seed=spec.seed, local_rank=local,
+                                    barrier=dist.barrier, key=key)

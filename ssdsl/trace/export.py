@@ -21,6 +21,7 @@ from ssdsl.trace.aligned import align_arange_indices
 from ssdsl.trace.dims import flow_names
 from ssdsl.trace.model_file import ModelFile
 from ssdsl.trace.shared import share_parameters
+from ssdsl.trace.trial import quiet_torch_logs, try_training_step
 
 # Short kind names for selectors, where the ATen name is long.
 KIND_NAMES = {"scaled_dot_product_attention": "sdpa", "cross_entropy_loss": "cross_entropy",
@@ -56,6 +57,14 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
     if model is None:
         with torch.device(device):
             model = model_file.build(seed=seed)
+    # What a rank would hit, reported here at the model file's line: one step on meta (a model
+    # built on meta is used as it is; otherwise a meta twin is built, which allocates nothing).
+    if model is not None and _device_of(model, device).type == "meta":
+        try_training_step(model_file, model, (inputs, target))
+    else:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the caller's RNG kept
+            twin = model_file.build(seed=seed)
+        try_training_step(model_file, twin, (inputs, target))
     dev = _device_of(model, device)
     # a model cast to another floating dtype (``--dtype float64``) gets its floating inputs in
     # that dtype, as the runtime and the reference give them (``to_dtype``); integer tokens stay
@@ -63,7 +72,9 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
     batch = tuple(t.to(dev, dtype) if dtype is not None and t.is_floating_point() else t.to(dev)
                   for t in (*inputs, target))
     try:
-        ep = torch.export.export(_TrainingForward(model, model_file.loss), batch, strict=False)
+        with quiet_torch_logs():
+            ep = torch.export.export(_TrainingForward(model, model_file.loss), batch,
+                                     strict=False)
     except SsdslError:
         raise
     except Exception as exc:
