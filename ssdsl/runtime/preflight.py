@@ -266,7 +266,7 @@ def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: i
     """The first operator (graph order) whose output on some device differs from the plain
     model's values of its region, with the plan statement that made that part; None when every
     forward value agrees (or the plan has micro-batches or stages, which this walk skips)."""
-    from ssdsl.runtime.comm import simulate_steps
+    from ssdsl.runtime.adapters import simulate_adapter as simulate_steps
 
     t, g = m.transformed, m.transformed.graph
     if m.schedule is not None or t.microbatches > 1:
@@ -307,9 +307,10 @@ def _run_parts(m: Materialized, op, ref, env, tol: float, simulate_steps) -> tup
             state: dict[int, list[torch.Tensor]] = {}
             for d, _ in ad.producers:
                 state.setdefault(d, []).append(env[d][name])
-            out = simulate_steps(ad.steps, state, state[ad.producers[0][0]][0])
-            mine = [i for i, (d, _) in enumerate(ad.consumers) if d == part.device]
-            local[slot] = out[part.device][0] if mine else None
+            out = simulate_steps(ad, state)  # the adapter through the programs' own handlers
+            got = out.get(part.device)
+            local[slot] = (got if isinstance(got, torch.Tensor) else got[0]) \
+                if got is not None else None
         args, kwargs = part.sub.local.bind(local)
         res = call_target(part.sub.local.target, args, kwargs)
         outs = tuple(res) if op.returns == "list" else (res,)
