@@ -105,14 +105,16 @@ def run(args: argparse.Namespace) -> int:
         expected = RunRecord(losses=ref.losses,
                              final_state={k: v for k, v in ref.final_state.items()
                                           if k in result["params"]})
+        precision = _precision(args.model, DTYPES[args.dtype])
         verdict = compare_runs(expected, mine, tolerance=tolerance_for(
-            DTYPES[args.dtype], reordered_sums=True))
+            precision.dtype, reordered_sums=True))
     if args.json:
         import json
         out = {"model": args.model, "plan": args.plan, "nproc": nproc, "steps": args.steps,
                "losses": result["losses"], "accounting": result["accounting"],
                "ranks": [_asdict(r) for r in result["ranks"]],
                "check": verdict.as_dict() if verdict else None,
+               "check_precision": precision.note() if verdict else None,
                "verify": verification.as_dict(),
                "ok": None if verdict is None else verdict.ok}
         print(json.dumps(out, indent=2, default=str))
@@ -129,8 +131,21 @@ def run(args: argparse.Namespace) -> int:
                           f"{rr['samples_per_s']:.1f} samples/s, peak memory "
                           f"{rr['peak_memory_bytes'] / 2**20:.0f} MiB")
         if verdict is not None:
+            if precision.note():
+                console.print(f"note: {precision.note()}")
             console.print(verdict.summary())
     return 0 if verdict is None or verdict.ok else 1
+
+
+def _precision(model_file: str, dtype):
+    """The precision the model computes in under ``dtype`` (``ssdsl.trace.precision``)."""
+    import torch
+    from ssdsl.trace import trace
+    from ssdsl.trace.model_file import load_model_file
+    from ssdsl.trace.precision import computing_precision
+    mf = load_model_file(model_file)
+    model = mf.build(seed=0).to(dtype)
+    return computing_precision(trace(mf, device="cpu", model=model), dtype)
 
 
 def save_atomically(state: dict, path: Path) -> Path:

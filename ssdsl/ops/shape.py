@@ -307,20 +307,3 @@ def gather(call: Call) -> Annotation:
                            labels[k]: "the index reads only the first entries of the input"})
     return Annotation((plain(x_labels, src), plain(labels, idx)), (plain(labels, idx),),
                       frozen=frozen)
-
-
-@register("aten.pad.default", "aten.constant_pad_nd.default")
-def pad(call: Call) -> Annotation:
-    """Padding: a padded dim is frozen (the pad sits at the ends of the whole dim); the others,
-    the batch among them, pass through."""
-    (src,), (dst,) = call.in_shapes, call.out_shapes
-    amounts = list(call.arg(1, "pad"))
-    labels = dims(len(src))
-    ins, outs = list(plain(labels, src)), list(plain(labels, dst))
-    frozen = {}
-    for j in range(len(amounts) // 2):
-        k = len(src) - 1 - j
-        if amounts[2 * j] or amounts[2 * j + 1] or src[k] != dst[k]:
-            ins[k], outs[k] = (Factor(f"a{k}", src[k]),), (Factor(f"b{k}", dst[k]),)
-            frozen.update({f"a{k}": "padded", f"b{k}": "padded"})
-    return Annotation((tuple(ins),), (tuple(outs),), frozen=frozen)
