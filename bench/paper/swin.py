@@ -1,7 +1,7 @@
 """Swin Transformer at the scale of the SuperScaler paper's experiments (costing only, on meta).
 
 A SwinV2-G-like configuration chosen here (the paper's exact table is not reproduced): embed 512,
-depths 2-2-26-2, heads 16-32-64-128, 1536 x 1536 images, patch 4, window 24; about 3.0B
+depths 2-2-26-2, heads 16-32-64-128, 1536 x 1536 images, patch 4, window 24; about 1.8B
 parameters. The batch is made on the meta device: this file is for ``ssdsl cost`` and
 ``bench/bench_cost_paper.py``; examples/swin.py is the runnable one. Plans name the blocks as
 ``--set blocks=stages.*.* --set attn_out=attn.proj --set mlp_out=mlp.2``.

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -153,8 +154,10 @@ CPU_DEFAULT = DeviceProfile(
 GPUS = {p.name: p for p in (V100, A100, H100)}
 
 
-def cpu_profile(path: Path = CPU_PROFILE_FILE) -> DeviceProfile:
-    """The measured CPU profile written by ``bench/bench_cost.py``, else the default."""
+def cpu_profile(path: Path | None = None) -> DeviceProfile:
+    """The measured CPU profile written by ``bench/bench_cost.py`` (or the file named by the
+    environment variable ``SSDSL_CPU_PROFILE``), else the default."""
+    path = Path(path or os.environ.get("SSDSL_CPU_PROFILE") or CPU_PROFILE_FILE)
     if not path.exists():
         return CPU_DEFAULT
     data = json.loads(path.read_text())

@@ -342,8 +342,10 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
         optimizer[d] = len(held[d]) * p.param_overhead * (1 + states) + moved / p.bytes_rate()
         reducer[d] = 0.0
     scale = opts.itemsize / m.dtype.itemsize
+    sets = {b.devices for b in m.reducer.buckets}
     for bucket in m.reducer.buckets:
-        link = link_for(bucket.devices, p, opts.cluster)
+        link = link_for(bucket.devices, p, opts.cluster,
+                        sharing=_concurrent_sets(bucket.devices, sets, opts.cluster))
         time = all_reduce_time(len(bucket.devices), bucket.size * scale, link)
         for d in bucket.devices:
             reducer[d] = reducer.get(d, 0.0) + time
@@ -354,3 +356,15 @@ def loss_reduce_time(opts: CostOptions, devices: tuple[int, ...]) -> float:
     """The step's last collective: the loss, one float64, summed over every rank."""
     link: Link = link_for(devices, opts.profile, opts.cluster)
     return all_reduce_time(len(devices), 8.0, link)
+
+
+def _concurrent_sets(devices: tuple[int, ...], sets: set[tuple[int, ...]],
+                     cluster: Cluster) -> int:
+    """How many reducer groups (this one included) leave a node of ``devices`` at the same time:
+    disjoint device sets that cross nodes (a tp-sharded weight's dp groups reduce together)."""
+    nodes = cluster.nodes_of(devices)
+    if len(nodes) <= 1:
+        return 1
+    mine = set(devices)
+    return 1 + sum(1 for s in sets if not mine & set(s) and len(cluster.nodes_of(s)) > 1
+                   and cluster.nodes_of(s) & nodes)

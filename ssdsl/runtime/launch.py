@@ -61,11 +61,12 @@ _SETTLE_S = 0.5
 _LAUNCH_DIR_VAR = "SSDSL_LAUNCH_DIR"
 _LAUNCHER_PID_VAR = "SSDSL_LAUNCHER_PID"
 # The watchdog: a heartbeat per rank each _BEAT_S; a rank silent for STALE_S is stopped or frozen;
-# peers waiting HANG_S in communication, without a new call, for a rank that is elsewhere, name it.
+# peers waiting HANG_S in communication, without a new call, for a rank that is elsewhere and has
+# not moved from its line for HANG_S either (asleep, or blocked on something else), name it.
 # Both can be set in the environment (a model whose steps take longer than HANG_S on one rank while
 # another waits needs a larger value).
 _BEAT_S = 1.0
-STALE_S = float(os.environ.get("SSDSL_STALE_S", "8"))
+STALE_S = float(os.environ.get("SSDSL_STALE_S", "10"))
 HANG_S = float(os.environ.get("SSDSL_HANG_S", "15"))
 
 
@@ -342,7 +343,8 @@ class _Job:
                          f"{beats[r].describe()}", beats)
         waiting = {r: b for r, b in beats.items() if b.waiting_since is not None
                    and now - b.waiting_since > HANG_S}
-        absent = [r for r, b in beats.items() if b.waiting_since is None]
+        absent = [r for r, b in beats.items() if b.waiting_since is None
+                  and now - b.still_since > HANG_S]
         if waiting and absent:
             r = absent[0]
             longest = max(now - b.waiting_since for b in waiting.values())
@@ -488,12 +490,14 @@ def _die_with_launcher(launcher_pid: int) -> None:
 @attrs.frozen
 class _Beat:
     """One heartbeat: when, since when the main thread waits in communication (None: it does
-    not), the communication it waits in, and the rank's own code line it is at."""
+    not), the communication it waits in, the rank's own code line it is at, and since when it
+    has been at that line (a rank that is slow but busy moves; a hung one does not)."""
 
     at: float
     waiting_since: float | None
     op: str
     where: str
+    still_since: float = 0.0  # since when the main thread has been at this same line
 
     def describe(self) -> str:
         if self.waiting_since is not None:
@@ -545,7 +549,7 @@ def _start_heartbeat(directory: Path, rank: int) -> None:
     main = threading.main_thread().ident
 
     def beat() -> None:
-        since, calls = None, -1
+        since, calls, still, last = None, -1, time.time(), None
         path, tmp = directory / f"rank{rank}.beat", directory / f"rank{rank}.beat.tmp"
         while True:
             frame = sys._current_frames().get(main)
@@ -556,8 +560,10 @@ def _start_heartbeat(directory: Path, rank: int) -> None:
             elif since is None or calls != _COMM_CALLS[0]:
                 since = now
             calls = _COMM_CALLS[0]
+            if (op, where) != last:
+                still, last = now, (op, where)
             try:
-                tmp.write_bytes(pickle.dumps(_Beat(now, since, op or "", where)))
+                tmp.write_bytes(pickle.dumps(_Beat(now, since, op or "", where, still)))
                 tmp.rename(path)
             except OSError:  # the launcher removed its directory: the job is over
                 return
