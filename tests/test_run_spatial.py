@@ -50,9 +50,9 @@ def test_megatron_forward_communication_is_one_all_reduce_per_row_linear(capsys)
     """gpt.py has 2 blocks, each with 2 row-parallel linears: 4 forward all-reduces, nothing else."""
     code, out = run_json(capsys, GPT, "megatron_tp", "--nproc", "2", "--steps", "1")
     assert code == 0
-    assert set(out["accounting"]["forward"]) == {"all_reduce"}
-    assert out["accounting"]["forward"]["all_reduce"]["count"] == 4
-    assert out["accounting"]["gradients"] == {}  # replicated weights get identical gradients
+    assert set(out["communication"]["forward"]) == {"all_reduce"}
+    assert out["communication"]["forward"]["all_reduce"]["count"] == 4
+    assert out["communication"]["gradients"] == {}  # replicated weights get identical gradients
 
 
 def test_bad_plan_fails_before_launch_with_location(capsys):
@@ -105,4 +105,4 @@ def test_under_torchrun_each_process_is_one_rank():
         capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout[proc.stdout.index("{"):])
-    assert out["nproc"] == 2 and out["ok"] is True
+    assert out["world"] == 2 and out["ok"] is True

@@ -17,7 +17,7 @@ from ssdsl.check import check_schedule
 from ssdsl.elaborate import elaborate_file
 from ssdsl.materialize.program import Materialized, materialize
 from ssdsl.runtime import dist as sdist
-from ssdsl.runtime.executor import RankProgram, assemble, create_groups
+from ssdsl.runtime.executor import RankProgram, create_groups
 from ssdsl.runtime.launch import report_event
 from ssdsl.runtime.train import MetricsCollector, OptimizerSpec
 from ssdsl.errors import SsdslError
@@ -44,6 +44,8 @@ class JobSpec:
     dtype: str = "float32"
     optimizer: str = "model"
     lr: float | None = None
+    resume: str | None = None        # a checkpoint directory or a state-dict file to start from
+    checkpoint: str | None = None    # a directory to write this run's sharded checkpoint into
 
 
 def plan_job(spec: JobSpec, world: int) -> tuple[Any, Materialized, torch.nn.Module]:
@@ -82,25 +84,42 @@ def _refuse_split_backward(lowered: Lowered) -> None:
 
 def rank_main(spec: JobSpec) -> dict[str, Any] | None:
     """Train on this rank; rank 0 returns losses, final parameters and per-rank metrics."""
+    from ssdsl.runtime import checkpoint as ckpt
+    from ssdsl.runtime.progress import Phase
+    from ssdsl.runtime.train import tokens_in
+
     with sdist.distributed() as ctx:
+        report_event(Phase("planning"))
         mf, m, model = plan_job(spec, ctx.world_size)
+        report_event(Phase("building this rank's shards"))
         groups = create_groups(m)
         dtype = DTYPES[spec.dtype]
         prog = RankProgram(m, ctx.rank, mf, model, dtype=dtype,
                            optimizer=OptimizerSpec(spec.optimizer, spec.lr), groups=groups)
+        state_keys = list(model.state_dict())
         del model  # this rank keeps only its shards
+        start = ckpt.resume_program(prog, spec.resume) if spec.resume else 0
         bs = spec.batch_size or mf.batch_size
-        metrics = MetricsCollector(rank=ctx.rank, samples_per_step=bs, device=ctx.device)
+        metrics = MetricsCollector(rank=ctx.rank, samples_per_step=bs, device=ctx.device,
+                                   tokens_per_step=tokens_in(mf.get_batch(start, bs)[0]))
         comm = m.accounting()["total_bytes"]
+        report_event(Phase("training"))
         losses = []
-        for step in range(spec.steps):
+        for step in range(start, spec.steps):
             metrics.begin()
             loss = prog.step(step, spec.batch_size)
             report_event(metrics.end(step, loss=loss, comm_bytes=comm))
             losses.append(loss)
-        shards = sdist.gather_objects(prog.shards())
+        if spec.checkpoint:
+            report_event(Phase("saving the checkpoint"))
+            ckpt.save_program(prog, spec.checkpoint, step=spec.steps, state_keys=state_keys,
+                              model=spec.model, plan=spec.plan)
+        shards = sdist.gather_objects(ckpt.program_shards(prog))
         summaries = sdist.gather_objects(metrics.summary())
         if ctx.rank != 0:
             return None
-        return {"losses": losses, "params": assemble([s for r in shards for s in r]),
+        return {"losses": losses, "first_step": start,
+                "params": ckpt.model_state((s for r in shards for s in r[0]),
+                                           (s for r in shards for s in r[1]),
+                                           aliases=prog.graph.aliases, state_keys=state_keys),
                 "ranks": summaries, "accounting": m.accounting()}
