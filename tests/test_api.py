@@ -39,6 +39,8 @@ def test_parallelize_megatron_matches_reference():
         assert abs(got - want) <= 1e-10 * abs(want)
     for name, value in r0["state"].items():
         torch.testing.assert_close(value, ref.final_state[name], rtol=1e-9, atol=1e-12)
+    plain = load_model_file(GPT).build(seed=0).double()
+    plain.load_state_dict(r0["state"])  # strict: tied lm_head.weight under both names
     # each rank holds only its shards: less than the whole model
     whole = sum(v.numel() for k, v in ref.final_state.items() if k != "wte.weight")
     assert all(r["n_local"] < whole for r in results)

@@ -186,12 +186,16 @@ def merge_checkpoint(directory: str | Path) -> dict[str, Any]:
     ``model`` loadable into the single-device model with ``load_state_dict`` (strict)."""
     ranks = read_checkpoint(directory)
     first = ranks[0]
+    optimizer = merge_optimizer(e for r in ranks for e in r["optimizer"])
+    for qual, others in first["aliases"].items():  # a tied parameter under each of its names
+        if qual in optimizer:
+            for other in others:
+                optimizer.setdefault(other, optimizer[qual])
     return {"version": CHECKPOINT_VERSION, "step": first["step"],
             "model": model_state((s for r in ranks for s in r["params"]),
                                  (s for r in ranks for s in r["buffers"]),
                                  aliases=first["aliases"], state_keys=first["state_keys"]),
-            "optimizer": merge_optimizer(e for r in ranks for e in r["optimizer"]),
-            "param_groups": first["param_groups"]}
+            "optimizer": optimizer, "param_groups": first["param_groups"]}
 
 
 # ----------------------------------------------------------------------------- resuming
@@ -218,7 +222,7 @@ def load_into(program: Any, merged: Mapping[str, Any]) -> int:
                 raise CheckpointError(f"'{qual}' has shape {tuple(full.shape)} in the checkpoint "
                                       f"but {tuple(region.shape)} in the model")
             leaf.copy_(region.slice_of(full.to(leaf.dtype)))
-            state = opt_state.get(qual)
+            state = _lookup(opt_state, qual, graph.aliases.get(qual, ()))
             if state:
                 program.opt.state[leaf] = {
                     k: (region.slice_of(v).to(leaf.dtype).clone()

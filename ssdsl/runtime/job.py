@@ -48,9 +48,11 @@ class JobSpec:
     checkpoint: str | None = None    # a directory to write this run's sharded checkpoint into
 
 
-def plan_job(spec: JobSpec, world: int) -> tuple[Any, Materialized, torch.nn.Module]:
-    """Model file, materialized plan and the seeded full model (CPU), as every rank builds them."""
-    mf = load_model_file(spec.model)
+def plan_job(spec: JobSpec, world: int, *, model_file: Any = None
+             ) -> tuple[Any, Materialized, torch.nn.Module]:
+    """Model file, materialized plan and the seeded full model (CPU), as every rank builds them.
+    ``model_file``: an already loaded ``ModelFile`` (the API's module), else ``spec.model``'s."""
+    mf = model_file if model_file is not None else load_model_file(spec.model)
     dtype = DTYPES[spec.dtype]
     model = mf.build(seed=spec.seed).to(dtype=dtype)
     graph = trace(mf, device="cpu", batch_size=spec.batch_size, model=model)
