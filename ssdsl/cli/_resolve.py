@@ -150,12 +150,10 @@ def to_json(model: str, plan: ElaboratedPlan, t: Transformed,
 
 
 def devices_text(devices: Sequence[int]) -> str:
-    """``0..3`` for a run of consecutive ids, else ``0,2,5``; ``-`` for none."""
-    if not devices:
-        return "-"
-    if len(devices) > 2 and list(devices) == list(range(devices[0], devices[-1] + 1)):
-        return f"{devices[0]}..{devices[-1]}"
-    return ",".join(map(str, devices))
+    """``0..4`` (half-open, as ranges are in plans: devices 0, 1, 2, 3) for a run of consecutive
+    ids, else ``0,2,5``; ``-`` for none."""
+    from ssdsl.schedule.picture import ranges_text
+    return ranges_text(devices) if devices else "-"
 
 
 def split_text(row: dict[str, Any]) -> str:
@@ -185,7 +183,8 @@ def print_table(model: str, plan: ElaboratedPlan, t: Transformed,
     console.print(table, highlight=False)
     n_parts = sum(r["parts"] for r in rows)
     console.print(f"{len(rows)} operators, {n_parts} parts on devices "
-                  f"{devices_text(t.devices())}", highlight=False)
+                  f"{devices_text(t.devices())} (a..b: devices a to b-1, as in plans)",
+                  highlight=False)
     for note in t.notes:
         console.print(f"note: {note}", style="yellow", highlight=False)
     if t.deferred:
