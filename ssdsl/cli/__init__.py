@@ -74,31 +74,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         if getattr(args, "json", False):
-            print_json_error(err)
+            print_json_error(err, getattr(args, "command", None))
         else:
             print(err.render(), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `ssdsl ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
 
 
-def error_json(err: SsdslError) -> dict:
+def error_json(err: SsdslError, command: str | None = None) -> dict:
     """An error as the ``--json`` commands print it (docs/json.md)."""
     from ssdsl.errors import ErrorGroup
     errors = err.errors if isinstance(err, ErrorGroup) else [err]
-    return {"schema_version": SCHEMA_VERSION, "ok": False,
+    return {"schema_version": SCHEMA_VERSION, "command": command, "ok": False,
             "errors": [{"kind": type(e).__name__, "message": e.message,
                         "file": e.file, "line": e.span.line if e.span else None,
                         "column": e.span.column if e.span else None, "hint": e.hint,
                         "text": e.render()} for e in errors]}
 
 
-def print_json_error(err: SsdslError) -> None:
+def print_json_error(err: SsdslError, command: str | None = None) -> None:
     """Under ``--json`` an error is JSON on stdout too (a tool reads one stream); the text form
     still goes to stderr for a person watching."""
     import json
-    print(json.dumps(error_json(err), indent=2))
+    print(json.dumps(error_json(err, command), indent=1))
     print(err.render(), file=sys.stderr)
 
 

@@ -7,8 +7,6 @@ which dims were split into how many, how many copies, and the devices that hold 
 
 from __future__ import annotations
 
-import json
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +36,7 @@ def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False,
     verdict = _verify(mf, plan) if verify else None
     rows = op_rows(result)
     if as_json:
+        from ssdsl.cli.jsonout import emit
         data = to_json(model, plan, result, rows)
         data["communication"] = comm
         if verdict is not None:
@@ -45,8 +44,8 @@ def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False,
                               "edges_checked": verdict.edges_checked,
                               "loss": verdict.loss, "reference_loss": verdict.reference_loss,
                               "max_grad_error": verdict.max_grad_error}
-        json.dump(data, sys.stdout, indent=1, default=str)
-        sys.stdout.write("\n")
+            data["ok"] = verdict.ok
+        emit("check", data)
     else:
         print_table(model, plan, result, rows)
         from rich.console import Console

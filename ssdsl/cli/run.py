@@ -230,20 +230,33 @@ def _print_summary(result: dict, progress: Any, verdict: Any) -> None:
 def run_json(args: argparse.Namespace, spec: Any, result: dict, progress: Any,
              verdict: Any) -> dict[str, Any]:
     """The ``ssdsl run --json`` document (docs/json.md)."""
-    from ssdsl.schema import SCHEMA_VERSION
+    from ssdsl.cli.jsonout import document
     first = result.get("first_step", 0)
-    return {"schema_version": SCHEMA_VERSION, "command": "run",
+    return document("run", {
             "model": args.model, "plan": args.plan, "params": dict(spec.sets),
             "world": len(result["ranks"]), "steps": args.steps, "first_step": first,
-            "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
+            "batch_size": args.batch_size or _model_batch_size(args.model), "seed": args.seed, "dtype": args.dtype,
             "optimizer": args.optimizer,
             "losses": result["losses"],
             "steps_detail": [r.as_json() for r in progress.rows],
             "summary": progress.summary().as_json(),
             "communication": result["accounting"],
-            "ranks": [_asdict(r) for r in result["ranks"]],
+            "ranks": [_rank_json(_asdict(r)) for r in result["ranks"]],
             "check": verdict.as_dict() if verdict else None,
-            "ok": None if verdict is None else verdict.ok}
+            "ok": True if verdict is None else verdict.ok})
+
+
+def _model_batch_size(model: str) -> int:
+    from ssdsl.trace.model_file import load_model_file
+    return load_model_file(model).batch_size
+
+
+def _rank_json(r: dict) -> dict:
+    """A rank's summary with the names and units of the step rows (ms, communication_bytes)."""
+    return {"rank": r["rank"], "steps": r["steps"], "median_step_ms": r["median_step_s"] * 1e3,
+            "samples_per_s": r["samples_per_s"],
+            "communication_bytes_per_step": r["comm_bytes_per_step"],
+            "peak_memory_bytes": r["peak_memory_bytes"]}
 
 
 def save_atomically(state: dict, path: Path) -> None:

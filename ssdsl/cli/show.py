@@ -11,10 +11,8 @@ model file is accepted and unit costs are used.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +117,8 @@ def run(args: argparse.Namespace) -> int:
             f"{_n(s.microbatches, 'micro-batch', 'micro-batches')}"
     names = row_names(result, lowered.groups)
     if args.json:
-        from ssdsl.schema import SCHEMA_VERSION
-        json.dump({"schema_version": SCHEMA_VERSION, "command": "show", "plan": plan.name,
+        from ssdsl.cli.jsonout import emit
+        emit("show", {"plan": plan.name,
                    "world": plan.world, "world_assumed": assumed,
                    "params": {k: v if isinstance(v, (int, float, bool, str)) else str(v)
                               for k, v in plan.params},
@@ -128,8 +126,7 @@ def run(args: argparse.Namespace) -> int:
                    "makespan": result.makespan, "bubble_ratio": result.bubble_ratio,
                    "bubble_overhead": result.bubble_overhead,
                    "peak_activations": list(result.peak_activations),
-                   "programs": [str(p) for p in s.programs]}, sys.stdout, indent=1)
-        sys.stdout.write("\n")
+                   "programs": [str(p) for p in s.programs]})
     else:
         console = Console(highlight=False, soft_wrap=True)
         if assumed:

@@ -96,7 +96,7 @@ class RunSummary:
     median_step_s: float
     samples_per_s: float
     tokens_per_s: float | None
-    comm_bytes_per_step: int
+    communication_bytes_per_step: int
     peak_memory_bytes: int
     peak_memory_rank: int
 
@@ -117,7 +117,7 @@ class RunSummary:
                    samples_per_s=per_step_samples / median if median else 0.0,
                    tokens_per_s=(per_step_tokens / median if median and per_step_tokens
                                  is not None else None),
-                   comm_bytes_per_step=rows[-1].comm_bytes,
+                   communication_bytes_per_step=rows[-1].comm_bytes,
                    peak_memory_bytes=peak.peak_memory_bytes, peak_memory_rank=peak.rank)
 
     def lines(self) -> list[str]:
