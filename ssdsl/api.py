@@ -36,7 +36,7 @@ from ssdsl.runtime import checkpoint as ckpt
 from ssdsl.runtime import dist as sdist
 from ssdsl.runtime.executor import RankProgram, create_groups
 from ssdsl.runtime.job import DTYPES, JobSpec, plan_job
-from ssdsl.runtime.train import OptimizerSpec
+from ssdsl.runtime.train import OptimizerSpec, autocast
 from ssdsl.trace.model_file import ModelFile, default_loss, default_optimizer
 
 Batch = tuple[Any, torch.Tensor]
@@ -55,6 +55,7 @@ class ParallelModel:
         self.plan = materialized
         self.rank = ctx.rank
         self.world_size = ctx.world_size
+        self._device = ctx.device
         self._state_keys = state_keys
         self._spec = spec
         self.step = 0  # steps trained (continued by load_checkpoint)
@@ -67,7 +68,8 @@ class ParallelModel:
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         batch = (*inputs, target)
         self._check_shapes(batch)
-        loss = self._program.train_batch(batch)
+        with autocast(self._spec.dtype, self._device):
+            loss = self._program.train_batch(batch)
         self.step += 1
         return loss
 

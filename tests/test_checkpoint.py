@@ -126,3 +126,10 @@ def test_resume_that_trains_nothing_is_refused(capsys, tmp_path):
     assert "has trained 5 steps already" in capsys.readouterr().err
     assert main(["run", GPT, "dp", "--steps", "5", "--resume", str(tmp_path / "none")]) == 2
     assert "no checkpoint at" in capsys.readouterr().err
+
+
+def test_check_needs_a_checkpoint_not_a_state_dict(capsys, tmp_path):
+    state = tmp_path / "w.pt"
+    torch.save(load_model_file(GPT).build(seed=0).state_dict(), state)
+    assert main(["run", GPT, "dp", "--steps", "2", "--resume", str(state), "--check"]) == 2
+    assert "is a state dict, not a checkpoint" in capsys.readouterr().err

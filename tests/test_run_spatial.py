@@ -106,3 +106,23 @@ def test_under_torchrun_each_process_is_one_rank():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert out["world"] == 2 and out["ok"] is True
+
+
+@pytest.mark.slow
+def test_bfloat16_autocast_matches_the_autocast_reference(capsys):
+    """--dtype bfloat16: float32 parameters, the forward in bfloat16 on both sides; the losses
+    are not float32's (autocast is on) but match the single-device autocast run."""
+    import torch
+
+    from ssdsl.runtime.reference import run_reference
+    from ssdsl.trace.model_file import load_model_file
+
+    code, out = run_json(capsys, GPT, "megatron_tp", "--world", "2", "--steps", "3",
+                         "--dtype", "bfloat16", "--check")
+    assert code == 0 and out["check"]["ok"], out["check"]
+    fp32 = run_reference(load_model_file(GPT), steps=3).losses
+    assert any(abs(a - b) > 1e-6 * abs(b) for a, b in zip(out["losses"], fp32))
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        bf16 = run_reference(load_model_file(GPT), steps=3).losses
+    for got, want in zip(out["losses"], bf16, strict=True):
+        assert abs(got - want) <= 2e-3 * abs(want)

@@ -37,8 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="the global batch size (default: the model file's BATCH_SIZE, or 8)")
     job.add_argument("--seed", type=int, default=0,
                      help="seed of the model's initial parameters (default: %(default)s)")
-    job.add_argument("--dtype", choices=("float32", "float64"), default="float32",
-                     help="parameter and activation dtype (default: %(default)s)")
+    job.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
+                     help="parameter and activation dtype; bfloat16: float32 parameters, the "
+                     "forward under torch.autocast to bfloat16 (default: %(default)s)")
     job.add_argument("--optimizer", choices=("model", "sgd", "adamw"), default="model",
                      help="the model file's make_optimizer, plain SGD or AdamW "
                      "(default: %(default)s)")
@@ -139,7 +140,12 @@ def _first_step(args: argparse.Namespace) -> int:
     """The step a --resume continues from; a run that would train nothing is refused."""
     if not args.resume:
         return 0
-    from ssdsl.runtime.checkpoint import checkpoint_step
+    from ssdsl.runtime.checkpoint import checkpoint_step, is_state_dict_file
+    if args.check and is_state_dict_file(args.resume):
+        raise UsageError(f"--check compares with the single-device model trained from seed "
+                         f"{args.seed}; {args.resume} is a state dict, not a checkpoint of "
+                         "such a run", hint="resume from a --checkpoint directory, or leave "
+                         "out --check")
     start = checkpoint_step(args.resume)
     if start >= args.steps:
         raise UsageError(f"--resume {args.resume} has trained {start} steps already; --steps "
@@ -193,14 +199,18 @@ def _check(args: argparse.Namespace, spec: Any, result: dict, first_step: int):
     from ssdsl.runtime.train import OptimizerSpec
     from ssdsl.trace.model_file import load_model_file
 
-    ref = run_reference(load_model_file(args.model), steps=args.steps,
-                        batch_size=args.batch_size, seed=args.seed, dtype=DTYPES[args.dtype],
-                        optimizer=OptimizerSpec(args.optimizer, args.lr))
+    from ssdsl.runtime.train import autocast
+    with autocast(args.dtype):  # the reference in the same precision
+        ref = run_reference(load_model_file(args.model), steps=args.steps,
+                            batch_size=args.batch_size, seed=args.seed,
+                            dtype=DTYPES[args.dtype],
+                            optimizer=OptimizerSpec(args.optimizer, args.lr))
     mine = RunRecord(losses=tuple(result["losses"]), final_state=result["params"])
     expected = RunRecord(losses=ref.losses[first_step:],
                          final_state={k: v for k, v in ref.final_state.items()
                                       if k in result["params"]})
-    return compare_runs(expected, mine, tolerance=tolerance_for(DTYPES[args.dtype],
+    check_dtype = torch.bfloat16 if args.dtype == "bfloat16" else DTYPES[args.dtype]
+    return compare_runs(expected, mine, tolerance=tolerance_for(check_dtype,
                                                                 reordered_sums=True))
 
 

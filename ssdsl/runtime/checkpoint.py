@@ -298,6 +298,12 @@ def checkpoint_step(path: str | Path) -> int:
     return int(data.get("step", 0)) if _is_checkpoint(data) else 0
 
 
+def is_state_dict_file(path: str | Path) -> bool:
+    """Whether ``path`` is a plain state-dict file (parameters only, no step or optimizer)."""
+    p = Path(path)
+    return p.is_file() and not _is_checkpoint(load_source(p))
+
+
 def resume_program(program: Any, path: str | Path) -> int:
     """Load ``path`` into this rank's shards and optimizer; the step to continue from."""
     return load_into(program, load_source(path))

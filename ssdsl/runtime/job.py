@@ -19,7 +19,7 @@ from ssdsl.materialize.program import Materialized, materialize
 from ssdsl.runtime import dist as sdist
 from ssdsl.runtime.executor import RankProgram, create_groups
 from ssdsl.runtime.launch import report_event
-from ssdsl.runtime.train import MetricsCollector, OptimizerSpec
+from ssdsl.runtime.train import MetricsCollector, OptimizerSpec, autocast
 from ssdsl.errors import SsdslError
 from ssdsl.schedule.lower import Lowered
 from ssdsl.schedule.units import Pass
@@ -28,7 +28,9 @@ from ssdsl.trace.export import trace
 from ssdsl.trace.model_file import load_model_file
 from ssdsl.transform import Transformed, transform
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# The parameters' dtype per --dtype; "bfloat16" keeps float32 parameters (and optimizer state)
+# and runs the forward under autocast (``ssdsl.runtime.train.autocast``).
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
 
 @attrs.frozen
@@ -109,7 +111,8 @@ def rank_main(spec: JobSpec) -> dict[str, Any] | None:
         losses = []
         for step in range(start, spec.steps):
             metrics.begin()
-            loss = prog.step(step, spec.batch_size)
+            with autocast(spec.dtype, ctx.device):
+                loss = prog.step(step, spec.batch_size)
             report_event(metrics.end(step, loss=loss, comm_bytes=comm))
             losses.append(loss)
         if spec.checkpoint:

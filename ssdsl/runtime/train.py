@@ -80,6 +80,18 @@ def model_lr(model_file: ModelFile) -> float:
     return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
 
 
+def autocast(dtype: str, device: torch.device | str = "cpu") -> Any:
+    """The context a training step runs in for ``--dtype``: ``torch.autocast`` to bfloat16 for
+    ``"bfloat16"`` (float32 parameters, bfloat16 matmuls), else nothing."""
+    import contextlib
+    if dtype != "bfloat16":
+        return contextlib.nullcontext()
+    kind = torch.device(device).type
+    # No weight cache: it keeps the bfloat16 copy of a parameter for as long as the context is
+    # open, so a context around several steps would reuse copies of the weights of step 0.
+    return torch.autocast(kind, dtype=torch.bfloat16, cache_enabled=False)
+
+
 # ----------------------------------------------------------------------------- metrics
 
 
