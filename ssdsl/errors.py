@@ -47,6 +47,12 @@ class SsdslError(Exception):
                 parts.append(excerpt)
         if self.hint:
             parts.append(f"hint: {self.hint}")
+        site = self.span.via if self.span is not None else None
+        while site is not None:  # the user's `use` line, then the lines that led to it
+            parts.append(f"note: in the plan used at {site}")
+            if excerpt := site.excerpt():
+                parts.append(excerpt)
+            site = site.via
         return "\n".join(parts)
 
     def __str__(self) -> str:
@@ -60,12 +66,27 @@ class ErrorGroup(SsdslError):
         flat: list[SsdslError] = []
         for err in errors:
             flat.extend(err.errors if isinstance(err, ErrorGroup) else [err])
-        self.errors = sorted(flat, key=SsdslError.sort_key)
+        self.errors = _first_per_use(sorted(flat, key=SsdslError.sort_key))
         first = self.errors[0] if self.errors else None
         super().__init__(f"{len(self.errors)} errors", first.span if first else None)
 
     def render(self) -> str:
         return "\n\n".join(e.render() for e in self.errors)
+
+
+def _first_per_use(errors: list[SsdslError]) -> list[SsdslError]:
+    """Only the first error inside each used plan: the rest of a used plan usually fails because
+    of its first fault (a cascade the user cannot act on separately)."""
+    seen: set = set()
+    out = []
+    for e in errors:
+        site = e.span.via if e.span is not None else None
+        key = None if site is None else (site.file, site.line, site.column)
+        if key is not None and key in seen:
+            continue
+        seen.add(key)
+        out.append(e)
+    return out
 
 
 class UsageError(SsdslError):

@@ -34,6 +34,15 @@ class Span:
     column: int
     end_line: int
     end_column: int
+    # The ``use`` statement through which this plan text was reached (itself possibly reached
+    # through another); not part of the position, so equal positions compare equal.
+    via: Span | None = attrs.field(default=None, eq=False, order=False, repr=False)
+
+    def reached_via(self, site: Span | None) -> Span:
+        """This span, noted as reached through the ``use`` at ``site`` (kept if already noted)."""
+        if site is None or self.via is not None:
+            return self
+        return attrs.evolve(self, via=site)
 
     @classmethod
     def from_meta(cls, file: str, meta: Any) -> Span:
@@ -66,6 +75,24 @@ class Span:
             return ""
         src = lines[self.line - 1]
         end = self.end_column if self.end_line == self.line else len(src) + 1
-        width = max(1, end - self.column)
+        src, column, end = _window(src, self.column, end)
+        width = max(1, end - column)
         gutter = f"{self.line:>4} | "
-        return f"{gutter}{src}\n{' ' * len(gutter)}{' ' * (self.column - 1)}{'^' * width}"
+        return f"{gutter}{src}\n{' ' * len(gutter)}{' ' * (column - 1)}{'^' * width}"
+
+
+EXCERPT_WIDTH = 120
+
+
+def _window(src: str, column: int, end: int) -> tuple[str, int, int]:
+    """A long line cut to ``EXCERPT_WIDTH`` characters around ``column`` (marked with '...'),
+    with the column and end moved to match; a 400 KB line is never echoed whole."""
+    if len(src) <= EXCERPT_WIDTH:
+        return src, column, end
+    start = max(0, min(column - 1 - EXCERPT_WIDTH // 3, len(src) - EXCERPT_WIDTH))
+    stop = start + EXCERPT_WIDTH
+    head = "..." if start > 0 else ""
+    tail = "..." if stop < len(src) else ""
+    shift = start - len(head)
+    return (head + src[start:stop] + tail, column - shift,
+            min(end, stop + 1) - shift)

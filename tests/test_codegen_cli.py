@@ -1,4 +1,4 @@
-"""``ssdsl compile``: golden per-rank files, refusal to overwrite foreign files, plan errors.
+"""``ssdsl compile``: golden per-rank files (modules and program texts), refusal to overwrite foreign files, plan errors.
 
 Golden files live in ``tests/golden/codegen/<case>/rank<N>.py`` and are reviewed when they change;
 ``SSDSL_UPDATE_GOLDEN=1`` rewrites them. The other oracles are the file system (what is in the
@@ -42,8 +42,8 @@ def test_golden(case, tmp_path, capsys):
     rc, out, err = _compile(CASES[case], tmp_path, capsys)
     assert rc == 0, err
     written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == ["rank0.py", "rank1.py"]
-    assert all(f"wrote {tmp_path / name}" in out for name in written)
+    assert written == ["rank0.program", "rank0.py", "rank1.program", "rank1.py"]
+    assert all(f"wrote {tmp_path / name}" in out for name in written if name.endswith(".py"))
     new = []
     for name in written:
         text = (tmp_path / name).read_text()
@@ -63,7 +63,7 @@ def test_output_is_deterministic_and_path_free(tmp_path, capsys):
     os.chdir(tmp_path)  # another working directory, absolute model path
     args = [str(ROOT / "examples/mlp.py"), *CASES["mlp_dp"][1:]]
     assert _compile(args, b, capsys)[0] == 0
-    for name in ("rank0.py", "rank1.py"):
+    for name in ("rank0.py", "rank1.py", "rank0.program", "rank1.program"):
         text = (a / name).read_text()
         assert text == (b / name).read_text()
         assert str(ROOT) not in text and str(tmp_path) not in text
@@ -89,10 +89,12 @@ def test_refuses_output_that_is_a_file(tmp_path, capsys):
 
 def test_recompile_replaces_generated_files_and_drops_stale_ranks(tmp_path, capsys):
     assert _compile(["examples/mlp.py", "dp", "--world", "4"], tmp_path, capsys)[0] == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{i}.py" for i in range(4)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"rank{i}.{ext}" for i in range(4) for ext in ("py", "program"))
     (tmp_path / "notes.txt").write_text("kept")
     assert _compile(CASES["mlp_dp"], tmp_path, capsys)[0] == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "rank0.py", "rank1.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "rank0.program", "rank0.py",
+                                                          "rank1.program", "rank1.py"]
     assert (tmp_path / "rank0.py").read_text().startswith(GENERATED_MARK)
     assert "WORLD = 2\n" in (tmp_path / "rank1.py").read_text()
     assert not list(tmp_path.glob(".*.tmp"))

@@ -19,7 +19,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ssdsl.codegen import Provenance, generate_all, generate_rank
-from ssdsl.codegen.emit import NotGeneratable
 from ssdsl.codegen.text import Namer, literal, parse_region, region_text
 from ssdsl.elaborate import elaborate_file
 from ssdsl.ir.region import Region
@@ -48,15 +47,15 @@ def _module(text: str) -> dict:
 
 
 def _forward_lines(text: str) -> list[str]:
-    body = text.split("def forward(rt, batch):\n", 1)[1]
+    body = text.split("def train_step(rt, v):\n", 1)[1]
     return [line.strip() for line in body.splitlines() if line.startswith("    ")]
 
 
 def _calls(text: str) -> dict[str, str]:
-    """Output variable -> its line, for the local ATen calls."""
+    """Output value -> its line, for the local ATen calls."""
     out = {}
     for line in _forward_lines(text):
-        m = re.match(r"(\w+) = aten\.", line)
+        m = re.match(r"v\['([^']+)'\](?:, v\['[^']+'\])* = aten\.", line)
         if m:
             out[m.group(1)] = line
     return out
@@ -74,14 +73,16 @@ def test_megatron_forward_all_reduce_after_each_row_parallel_linear():
            if op.kind == "linear" and re.fullmatch(r"h\.\d+\.(attn\.c_attn|mlp\.c_fc)", op.module)]
     assert len(row) == len(col) == 4  # 2 blocks x (attention, MLP)
     for text in texts.values():
-        adapters = [line for line in _forward_lines(text) if "rt.adapter(" in line]
-        fwd_ar = [a for a in adapters if re.search(r": all_reduce over \(0, 1\); backward: identity", a)]
-        bwd_ar = [a for a in adapters if re.search(r": identity; backward: all_reduce over \(0, 1\)", a)]
-        assert len(adapters) == len(fwd_ar) + len(bwd_ar) == 8
-        assert sorted(re.search(r"rt\.adapter\(\d+, (\w+)\)", a).group(1) for a in fwd_ar) \
-            == sorted(row)
+        comms = [line for line in _forward_lines(text) if re.search(r" mb 0 (for|back)ward: ", line)]
+        moving = [c for c in comms if "nothing moves" not in c]
+        fwd_ar = [c for c in moving if re.search(r"forward: all_reduce over \(0, 1\)", c)]
+        bwd_ar = [c for c in moving if re.search(r"backward: all_reduce over \(0, 1\)", c)]
+        assert len(moving) == len(fwd_ar) + len(bwd_ar) == 8
+        assert sorted(re.search(r"# (\w+) -> ", a).group(1) for a in fwd_ar) == sorted(row)
         fed = sorted(re.search(r"-> (\w+)\[0\]", a).group(1) for a in bwd_ar)
         assert fed == sorted(col)
+        # the backward all-reduces run in the reverse order of their column-parallel linears
+        assert [re.search(r"-> (\w+)\[0\]", a).group(1) for a in bwd_ar] == col[::-1]
 
 
 def test_megatron_shards_tile_every_parameter():
@@ -119,10 +120,12 @@ def test_dp_takes_its_batch_rows_and_whole_weights():
     batch = load_model_file(MLP).batch_size
     for rank in range(4):
         text = texts[f"rank{rank}.py"]
-        assert "rt.adapter(" not in text  # the only communication is the gradient reducer
+        assert "comm(" not in text  # the only communication is the gradient reducer
+        assert text.count("reduce(") == 1 and "all_reduce 8 weight gradients over (0, 1, 2, 3)" \
+            in text
         lo, hi = rank * batch // 4, (rank + 1) * batch // 4
-        assert f"batch_0 = rt.take(batch[0], '{lo}:{hi} x 0:32')" in text
-        assert f"batch_1 = rt.take(batch[1], '{lo}:{hi}')" in text
+        assert f"= batch[0] {lo}:{hi} x 0:32;" in text
+        assert f"= batch[1] {lo}:{hi};" in text
         shards = {q: r for _, q, r in _module(text)["SHARDS"]}
         assert shards == {k: region_text(Region.full(tuple(v.shape)))
                           for k, v in model.named_parameters()}
@@ -143,9 +146,11 @@ def test_every_statement_cites_plan_lines_that_exist(case):
             line = int(key.split(":")[1])
             assert plan_lines[line - 1].strip() == quoted
             assert quoted.split()[0] in ("partition", "replicate", "assign")
-        for stmt in _forward_lines(text)[:-1]:  # all but the return
+        for stmt in _forward_lines(text):
             cites = re.findall(rf"{plan}\.ssp:\d+:\d+", stmt.split("  # ", 1)[1])
-            assert cites and all(c in legend for c in cites), stmt
+            assert all(c in legend for c in cites), stmt
+            if "= aten." in stmt or "shard of" in stmt or "= batch[" in stmt:
+                assert cites, stmt  # what a part computes or reads comes from the plan
         for line in _calls(text).values():  # a part: the statement that shaped it, its assign
             cited = re.findall(rf"{plan}\.ssp:\d+:\d+", line)
             assert [legend[c].split()[0] for c in cited][-1] == "assign", line
@@ -160,13 +165,19 @@ def test_text_names_no_trace_device(device):
         assert "meta" not in text.replace("megatron", "") and "device(type" not in text
 
 
-def test_pipelined_plan_is_refused_at_its_line():
+def test_pipelined_plan_runs_its_units_in_the_schedules_order():
+    """A 1F1B module walks its rank's units in the order of the schedule phase's program, each
+    unit citing the plan's order statement."""
+    from ssdsl.cli._resolve import _resolve
     mf = load_model_file(GPT)
-    p = elaborate_file("1f1b", world=2)
-    m = materialize(transform(trace(mf, device="meta"), p))
-    with pytest.raises(NotGeneratable) as info:
-        generate_rank(m, 0, Provenance.of(GPT, p))
-    assert info.value.span is not None and info.value.span.file.endswith("1f1b.ssp")
+    p = elaborate_file("1f1b", world=2, sets={"microbatches": "4"})
+    t, lowered = _resolve(trace(mf, device="meta"), p)
+    m = materialize(t, schedule=lowered)
+    for rank in range(2):
+        text = generate_rank(m, rank, Provenance.of(GPT, p))
+        begun = re.findall(r"# unit (\d[FB]\d) begins; 1f1b\.ssp:\d+:\d+", text)
+        assert begun == [str(u) for u in lowered.schedule.programs[rank].units]
+        assert "rt(I" in text and text.count("optimizer step") == 1
 
 
 # -- text forms --------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ COMMANDS = {
     "trace": ["trace", MLP],
     "check": ["check", GPT, "megatron_tp", "--world", "2"],
     "show": ["show", "1f1b", "--world", "2", "--no-picture"],
+    "cost": ["cost", GPT, "dp", "--world", "2"],
 }
 
 

@@ -23,7 +23,8 @@ from ssdsl.elaborate import elaborate_file, elaborate_text
 from ssdsl.materialize.program import Materialized, materialize
 from ssdsl.materialize.reducer import GradReducer, Weight, plan_grad_reducer
 from ssdsl.materialize.steps import PointToPoint
-from ssdsl.materialize.verify import comm_report, verify_plan
+from ssdsl.materialize.report import comm_report
+from ssdsl.runtime.verify import verify_plan
 from ssdsl.trace import trace
 from ssdsl.trace.model_file import load_model_file
 from ssdsl.transform import transform
@@ -88,7 +89,7 @@ assign each part i to device i
 # order: the regular layouts agree, the devices do not; the data must go point to point.
 SWAP = """plan swap(n: int = world)
 partition all along batch into n
-assign each part i to device i
+assign each part i of (all except h.0.mlp.c_fc) to device i
 assign each part i of h.0.mlp.c_fc to device n - 1 - i
 """
 

@@ -85,7 +85,7 @@ order on device 0:
 """
     prog, mf = _program(tmp_path, text)
     assert prog.m.transformed.num_stages == 3
-    assert len(prog.program) == 3 * 4 * 2
+    assert len(prog.program.units) == 3 * 4 * 2
     _check_two_steps(prog, mf)
 
 

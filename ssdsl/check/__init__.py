@@ -21,3 +21,12 @@ def check_schedule(schedule: Schedule, *, comm: CommModel = CommModel.ASYNC) -> 
 __all__ = ["CommModel", "Deadlock", "DuplicateUnit", "ForwardAfterBackward", "MisplacedUnit",
            "MissingUnit", "OrderAgainstData", "ScheduleError", "UnknownUnit", "check_deadlock",
            "check_schedule", "check_structure", "find_stuck"]
+
+from ssdsl.check.program import (BadStepTail, BadUnitStructure, OrderNotFollowed,  # noqa: E402
+                                 RecomputeCommunicates, UndefinedValue, check_programs)
+from ssdsl.lower.walk import (CollectiveMismatch, MessageMismatch, ProgramDeadlock,  # noqa: E402
+                              ProgramError, UnmatchedSend)
+
+__all__ += ["BadStepTail", "BadUnitStructure", "CollectiveMismatch", "MessageMismatch",
+            "OrderNotFollowed", "ProgramDeadlock", "ProgramError", "RecomputeCommunicates",
+            "UndefinedValue", "UnmatchedSend", "check_programs"]

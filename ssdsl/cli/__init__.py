@@ -17,7 +17,7 @@ from ssdsl.errors import SsdslError
 from ssdsl.schema import SCHEMA_VERSION
 
 # In the order ``ssdsl --help`` lists them, which is the order a user meets them.
-COMMANDS = ("plans", "trace", "check", "fmt", "show", "compile", "run", "merge")
+COMMANDS = ("plans", "trace", "check", "fmt", "show", "cost", "compile", "run", "merge")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -18,20 +18,25 @@ from ssdsl.transform import Part, Transformed, transform
 
 
 def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False,
-                verify: bool = False) -> int:
+                verify: bool = False, program: int | None = None) -> int:
     """Trace ``model``, apply ``plan``, derive its communication, print the result.
 
     With ``verify``, the model is also built for real and traced on the CPU, every adapter is
     run on random data, and (for plans without stages or micro-batches) one whole training step
     of all ranks is simulated in one process and compared with the plain model.
+    Every rank's program is lowered and checked (``ssdsl.check.check_programs``); with
+    ``program``, that rank's program is printed in its text form instead of the tables.
     Returns the exit status: 1 when verification finds a fault.
     """
     from ssdsl.materialize.program import materialize
-    from ssdsl.materialize.verify import comm_report
+    from ssdsl.materialize.report import comm_report
 
     mf = load_model_file(model)
     result, lowered = _resolve(trace(mf, device="meta"), plan)
     m = materialize(result, schedule=lowered)
+    programs = lower_and_check(m)
+    if program is not None:
+        return _print_program(programs, program)
     table, comm = comm_report(m)
     verdict = _verify(mf, plan) if verify else None
     rows = op_rows(result)
@@ -39,6 +44,8 @@ def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False,
         from ssdsl.cli.jsonout import emit
         data = to_json(model, plan, result, rows)
         data["communication"] = comm
+        data["programs"] = {"ranks": len(programs),
+                            "instructions": [len(p) for p in programs]}
         if verdict is not None:
             data["verify"] = {"ok": verdict.ok, "problems": list(verdict.problems),
                               "edges_checked": verdict.edges_checked,
@@ -54,6 +61,26 @@ def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False,
         if verdict is not None:
             _print_verdict(console, verdict)
     return 0 if verdict is None or verdict.ok else 1
+
+
+def lower_and_check(m) -> tuple:
+    """Every rank's lowered program, checked (phases 7 and 8)."""
+    from ssdsl.check import check_programs
+    from ssdsl.lower import lower_plan
+
+    programs = lower_plan(m).programs
+    check_programs(programs, m=m)
+    return programs
+
+
+def _print_program(programs, rank: int) -> int:
+    from ssdsl.errors import UsageError
+    from ssdsl.lower import program_text
+
+    if not 0 <= rank < len(programs):
+        raise UsageError(f"--program {rank}: the plan has ranks 0..{len(programs) - 1}")
+    sys.stdout.write(program_text(programs[rank]))
+    return 0
 
 
 def _resolve(graph, plan: ElaboratedPlan):
@@ -72,12 +99,12 @@ def _resolve(graph, plan: ElaboratedPlan):
 def _verify(mf, plan: ElaboratedPlan):
     """Verify the plan on a graph traced on the CPU with the real, seeded model."""
     from ssdsl.materialize.program import materialize
-    from ssdsl.materialize.verify import verify_plan
+    from ssdsl.runtime.verify import verify_plan
 
     model = mf.build(seed=0)
     result, lowered = _resolve(trace(mf, device="cpu", model=model), plan)
     m = materialize(result, schedule=lowered)
-    return verify_plan(m, model_file=None if lowered is not None else mf)
+    return verify_plan(m, model_file=mf)
 
 
 def _print_verdict(console, verdict) -> None:

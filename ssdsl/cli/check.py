@@ -24,6 +24,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--verify", action="store_true",
                    help="with MODEL: run every adapter on random data and simulate one training "
                    "step of all ranks in one process against the plain model")
+    p.add_argument("--program", type=int, default=None, metavar="RANK",
+                   help="with MODEL: print the lowered program of rank RANK (its text form)")
     p.set_defaults(func=run)
 
 
@@ -69,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     elif len(targets) == 2:
         raise UsageError(f"check [MODEL] PLAN: the model file must end in .py, got {targets[0]}")
     plan = elaborate_from_args(targets[-1], args)
+    if args.program is not None and model is None:
+        raise UsageError("--program needs a model: ssdsl check MODEL PLAN --program RANK")
     if args.verify and model is None:
         raise UsageError("--verify needs a model: ssdsl check MODEL PLAN --verify")
     if model is not None:
@@ -83,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_with_model(model: str, plan: ElaboratedPlan, args: argparse.Namespace) -> int:
     from ssdsl.cli._resolve import check_model
-    return check_model(model, plan, as_json=args.json, verify=args.verify)
+    return check_model(model, plan, as_json=args.json, verify=args.verify,
+                       program=args.program)
 
 
 def print_plan(plan: ElaboratedPlan) -> None:

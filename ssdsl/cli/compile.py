@@ -1,8 +1,10 @@
 """``ssdsl compile MODEL PLAN -o DIR``: write the per-rank programs as readable Python files.
 
-The model is traced on the meta device (nothing is allocated), the plan applied and materialized,
-and ``DIR/rank<N>.py`` written for every rank (``ssdsl.codegen``). A folder holding files that
-ssdsl did not generate is refused.
+The model is traced on the meta device (nothing is allocated), the plan applied, placed,
+materialized, lowered to one program per rank and checked (``ssdsl.check.check_programs``);
+then ``DIR/rank<N>.py`` (``ssdsl.codegen``) and ``DIR/rank<N>.program`` (the program's text
+form, ``ssdsl.lower.program_text``) are written for every rank. A folder holding files that
+ssdsl did not generate is refused. ``ssdsl run MODEL PLAN --compiled DIR`` runs the files.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("compile", help="write readable per-rank Python programs",
                               description="Apply PLAN to MODEL and write one Python module per "
                               "rank (DIR/rank0.py, ...), each statement annotated with the plan "
-                              "line that caused it.")
+                              "line that caused it, and each rank's lowered program "
+                              "(DIR/rank0.program, ...).")
     p.add_argument("model", help="the model file (.py)")
     p.add_argument("plan", help="a .ssp file or a stdlib plan name")
     p.add_argument("-o", "--output", required=True, metavar="DIR",
@@ -28,23 +31,43 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ssdsl.codegen import Provenance, generate_all, write_programs
+    from ssdsl.cli._resolve import _resolve, lower_and_check
+    from ssdsl.codegen import GENERATED_MARK, Provenance, generate_rank, write_programs
+    from ssdsl.lower import program_text
     from ssdsl.materialize.program import materialize
     from ssdsl.trace import trace
     from ssdsl.trace.model_file import load_model_file
-    from ssdsl.transform import transform
 
     mf = load_model_file(args.model)
     plan = elaborate_from_args(args.plan, args)
-    m = materialize(transform(trace(mf, device="meta"), plan))
-    texts = generate_all(m, Provenance.of(args.model, plan))
+    t, lowered = _resolve(trace(mf, device="meta"), plan)
+    m = materialize(t, schedule=lowered)
+    programs = lower_and_check(m)
+    prov = Provenance.of(args.model, plan)
+    texts: dict[str, str] = {}
+    for p in programs:
+        texts[f"rank{p.rank}.py"] = generate_rank(m, p.rank, prov, p)
+        texts[f"rank{p.rank}.program"] = (f"{GENERATED_MARK}; the lowered program of rank "
+                                          f"{p.rank} (ssdsl.lower.parse_program reads it)\n"
+                                          + program_text(_base_names(p)))
     for path in write_programs(args.output, texts):
-        text = texts[path.name]
-        print(f"wrote {path}  ({_count(text, 'rt.adapter(')} adapters, "
-              f"{_count(text, '= aten.') + _count(text, '= torch.ops.')} local calls)",
-              file=sys.stdout)
+        if path.suffix == ".py":
+            p = programs[int(path.stem.removeprefix("rank"))]
+            comm = sum(1 for i in p.instructions if i.kind == "comm")
+            calls = sum(1 for i in p.instructions if i.kind == "call")
+            print(f"wrote {path}  ({comm} communication steps, {calls} local calls, "
+                  f"{len(p)} instructions)", file=sys.stdout)
     return 0
 
 
-def _count(text: str, what: str) -> int:
-    return text.count(what)
+def _base_names(p):
+    """``p`` with plan files named by their base names (the text stays path-free)."""
+    import attrs
+    from pathlib import Path
+
+    def short(ins):
+        span = getattr(ins, "span", None)
+        if span is None:
+            return ins
+        return attrs.evolve(ins, span=attrs.evolve(span, file=Path(span.file).name))
+    return attrs.evolve(p, instructions=tuple(short(i) for i in p.instructions))

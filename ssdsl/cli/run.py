@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="learning rate for --optimizer sgd|adamw (default: the model file's)")
     job.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                      help="end the whole job after this long (default: %(default)g)")
+    job.add_argument("--compiled", metavar="DIR", default=None,
+                     help="run the per-rank files `ssdsl compile` wrote into DIR (rank<N>.py) "
+                     "instead of interpreting the plan (default: interpret)")
 
     check = p.add_argument_group("checking")
     check.add_argument("--check", action="store_true",
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     first_step = _first_step(args)
     spec = JobSpec(args.model, args.plan, tuple(sets.items()), args.steps, args.batch_size,
                    args.seed, args.dtype, args.optimizer, args.lr, resume=args.resume,
-                   checkpoint=args.checkpoint)
+                   checkpoint=args.checkpoint, compiled=args.compiled)
     result = _train(spec, args, world=world, first_step=first_step)
     if result is None:
         return 0  # a rank other than 0 under torchrun: rank 0 reports

@@ -9,7 +9,7 @@ Modules, in the order a compile uses them:
 - ``write``: ``write_programs(dir, texts)``, atomic writes that never overwrite a file ssdsl did not
   generate.
 
-``ssdsl.codegen.runtime`` is the support the generated modules call at run time (``rt``); it wraps
+``ssdsl.runtime.compiled`` is the support the generated modules call at run time (``rt``); it wraps
 the phase-9 executor and is imported only by whoever executes generated code.
 """
 

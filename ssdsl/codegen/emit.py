@@ -1,36 +1,42 @@
-"""The per-rank program as Python source, written from a ``Materialized`` plan.
+"""The per-rank program as Python source: a walker of the lowered program that writes code.
 
-For one rank, ``forward(rt, batch)`` lists in graph order exactly what the interpreter
-(``ssdsl.runtime.executor.RankProgram.forward``) does for that rank: take a region of a batch
-tensor (``rt.take``) or a parameter shard (``rt.param``), join an adapter (``rt.adapter(id, x)``,
-``id`` being the edge's position in ``Materialized.edges``), and run the local ATen call of this
-rank's part of an operator. Adapters with no step in either direction are plain pass-throughs and
-are not written. Each statement ends with a comment naming the plan lines that caused it (the
-partition/replicate that shaped the part and the assign that placed it); the module's head lists
-those lines with their text.
+``generate_rank(m, rank, provenance)`` walks the rank's lowered program (``ssdsl.lower``) with the
+same visitor as every backend; its handlers write one statement per instruction instead of
+running it. A local ATen call becomes that call on the rank's values (``v['name']``, the names
+of the program); every other instruction (taking a shard, communication, a unit boundary, a
+backward segment, a gradient bucket, the optimizer step...) is a module-level constant in the
+program's text form, handed to the runtime as it is (``rt(I12)``); a recomputed region becomes a
+nested function run under ``rt.recompute``. Each statement ends with a comment naming what it does
+and the plan lines behind it; the module's head lists those lines with their text. So the module
+covers the whole step (forward, backward, reducers, optimizer), pipelines and recompute included,
+and nothing is decided here that the program does not already say.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 import ssdsl
-from ssdsl.codegen.text import Namer, literal, region_text
+from ssdsl.codegen.text import literal, region_text
 from ssdsl.errors import SsdslError
-from ssdsl.ir.graph import Op
-from ssdsl.materialize.program import Edge, Materialized, SourceUse
-from ssdsl.materialize.steps import Adapter, PointToPoint
+from ssdsl.lower import Handler, Program, lower_rank, walk
+from ssdsl.lower.instr import Coll, P2P
+from ssdsl.lower.text import instruction_text
+from ssdsl.materialize.program import Materialized
 from ssdsl.source import Span, source_text
-from ssdsl.transform.parts import Part
 
 # The first line of every generated file starts with this; ``write`` refuses to replace a file
 # that does not, so a compile never clobbers a hand-written module.
 GENERATED_MARK = "# ssdsl-generated: do not edit"
+
+
+class NotGeneratable(SsdslError):
+    """The plan needs something code generation does not write."""
 
 
 @attrs.frozen
@@ -53,11 +59,12 @@ class Provenance:
 
 @attrs.frozen
 class Stmt:
-    """One line of ``forward``: the code, a short note, and the plan positions that caused it."""
+    """One line of ``train_step``: code, a short note, the plan positions behind it, depth."""
 
     code: str
     note: str = ""
     cites: tuple[Span, ...] = ()
+    depth: int = 1
 
 
 def cite(span: Span) -> str:
@@ -65,104 +72,144 @@ def cite(span: Span) -> str:
     return f"{Path(span.file).name}:{span.line}:{span.column}"
 
 
-class _RankEmitter:
-    """Walks the graph as the interpreter does for one rank and records the statements."""
+class _Emitter(Handler):
+    """The code-writing handlers of the one walk."""
 
-    def __init__(self, m: Materialized, rank: int, placed: Mapping[tuple[str, int], Part],
-                 producer: Mapping[str, Op]) -> None:
-        self.m, self.rank, self.placed, self.producer = m, rank, placed, producer
+    def __init__(self, m: Materialized, program: Program) -> None:
+        self.m, self.program = m, program
         self.graph = m.transformed.graph
-        self.names = Namer()
-        self.env: dict[str, str] = {}          # graph tensor -> variable holding this rank's part
-        self.taken: dict[tuple, str] = {}      # (tensor, region, scale) -> variable
-        self.shards: list[tuple[str, str, str]] = []
+        self.placed = {(p.op, p.device): p for ps in m.transformed.parts.values() for p in ps}
+        self.edges = list(m.edges)
         self.stmts: list[Stmt] = []
-        self.edge_ids = {key: i for i, key in enumerate(m.edges)}
+        self.consts: list[str] = []
+        self.shards: list[tuple[str, str, str]] = []
+        self.depth = 1
+        self.regions: list[tuple[str, str]] = []
 
-    def run(self) -> None:
-        for op in self.graph.ops:
-            part = self.placed.get((op.name, self.rank))
-            local = [self._input(op, slot, name, part) for slot, name in enumerate(op.inputs)]
-            if part is not None:
-                self._call(op, part, local)
+    def _const(self, ins: Any) -> str:
+        name = f"I{len(self.consts)}"
+        self.consts.append(f"{name} = {instruction_text(attrs.evolve(ins, span=None))}")
+        return name
 
-    # -- inputs --------------------------------------------------------------------------------
-    def _input(self, op: Op, slot: int, name: str, part: Part | None) -> str | None:
-        reads = part is not None and part.sub.inputs[slot] is not None
-        edge = self.m.edges.get((name, op.name, slot))
-        if edge is not None:
-            return self._adapter(edge, reads) if self.rank in edge.adapter.devices else None
-        if reads:
-            return self._source(self.m.sources[(name, op.name, slot, self.rank)], part)
-        return None
+    def _hand(self, ins: Any, note: str, *extra: Span | None) -> None:
+        self.stmts.append(Stmt(f"rt({self._const(ins)})", note, _spans(ins.span, *extra),
+                               self.depth))
 
-    def _source(self, use: SourceUse, part: Part) -> str:
-        key = (use.tensor, use.region, use.scale)
-        if key in self.taken:
-            return self.taken[key]
-        var = self.names.fresh(use.tensor)
-        self.taken[key] = var
-        region = region_text(use.region)
-        g = self.graph
-        if use.tensor in g.inputs:
-            i = g.inputs.index(use.tensor)
-            code = (f"{var} = batch[{i}]" if use.region.is_full()
-                    else f"{var} = rt.take(batch[{i}], {region!r})")
-            self.stmts.append(Stmt(code, f"input {i}", _spans(part.span)))
-            return var
-        kind = "param" if use.tensor in g.params else "buffer"
-        scale = f", scale={use.scale!r}" if use.scale != 1.0 else ""
-        code = f"{var} = rt.{kind}({use.tensor!r}, {region!r}{scale})"
-        qual = {**g.params, **g.buffers}.get(use.tensor, "constant")
-        if kind == "param" and (use.tensor, region) not in [(s[0], s[2]) for s in self.shards]:
-            self.shards.append((use.tensor, qual, region))
-        self.stmts.append(Stmt(code, qual, _spans(part.span)))
-        return var
+    # -- units and values -------------------------------------------------------------------------
+    def on_begin(self, ins) -> None:
+        self._hand(ins, f"unit {ins.unit} begins")
 
-    def _adapter(self, edge: Edge, reads: bool) -> str | None:
-        ad, held = edge.adapter, self.env.get(edge.tensor)
-        if reads and held is not None and _passthrough(ad):
-            return held
-        eid = self.edge_ids[(edge.tensor, edge.op, edge.slot)]
-        call = f"rt.adapter({eid}, {held or 'None'})"
-        note = f"{edge.tensor} -> {edge.op}[{edge.slot}]: {describe(ad, self.rank)}"
-        cites = _spans(self._span_of(self.producer[edge.tensor].name),
-                       self._span_of(edge.op))
-        if not reads:
-            self.stmts.append(Stmt(call, note + " (this rank only sends)", cites))
-            return None
-        var = self.names.fresh(f"{edge.tensor}_to_{edge.op}")
-        self.stmts.append(Stmt(f"{var} = {call}", note, cites))
-        return var
+    def on_end(self, ins) -> None:
+        self._hand(ins, f"unit {ins.unit} ends")
 
-    def _span_of(self, op: str) -> Span | None:
-        part = self.placed.get((op, self.rank)) or self.m.transformed.parts[op][0]
-        return part.span
+    def on_input(self, ins) -> None:
+        self._hand(ins, f"{ins.out} = batch[{ins.index}] {region_text(ins.region)}")
 
-    # -- the local call ------------------------------------------------------------------------
-    def _call(self, op: Op, part: Part, local: Sequence[str | None]) -> None:
-        lc = part.sub.local
-        arg = lambda v: literal(v, lambda i: local[i] or "None")  # noqa: E731
-        args = [arg(v) for v in lc.args] + [f"{k}={arg(v)}" for k, v in lc.kwargs]
-        ns, _, rest = lc.target.partition(".")
-        fn = f"aten.{rest}" if ns == "aten" else f"torch.ops.{lc.target}"
+    def on_param(self, ins) -> None:
+        qual = self.graph.params.get(ins.tensor, ins.tensor)
+        entry = (ins.tensor, qual, region_text(ins.region))
+        if entry not in self.shards:
+            self.shards.append(entry)
+        scale = f" x{ins.scale:g}" if ins.scale != 1.0 else ""
+        self._hand(ins, f"{ins.out} = shard of {qual} {entry[2]}{scale}")
+
+    def on_buffer(self, ins) -> None:
+        qual = self.graph.buffers.get(ins.tensor, "constant")
+        self._hand(ins, f"{ins.out} = {qual} {region_text(ins.region)}")
+
+    def on_call(self, ins) -> None:
+        lc = ins.call
+        arg = lambda x: literal(x, lambda i: f"v[{ins.ins[i]!r}]")  # noqa: E731
+        args = [arg(x) for x in lc.args] + [f"{k}={arg(x)}" for k, x in lc.kwargs]
+        target = "aten.reshape.default" if lc.target == "aten.view.default" else lc.target
+        # (a view of a received activation may not alias its input; reshape gives the same values)
+        ns, _, rest = target.partition(".")
+        fn = f"aten.{rest}" if ns == "aten" else f"torch.ops.{target}"
         call = f"{fn}({', '.join(args)})"
-        outs = [self.names.fresh(o) for o in op.outputs]
-        self.env.update(zip(op.outputs, outs))
-        if op.returns == "list":
+        outs = [f"v[{o!r}]" for o in ins.outs]
+        if ins.listy:
             lhs = ", ".join(outs) + ("," if len(outs) == 1 else "")
             rhs = call if lc.scale == 1.0 else f"(o * {lc.scale!r} for o in {call})"
         else:
-            lhs = outs[0]
-            rhs = call if lc.scale == 1.0 else f"{call} * {lc.scale!r}"
-        where = f"{op.module or '(top)'} part {_index(part)}"
-        self.stmts.append(Stmt(f"{lhs} = {rhs}", where, _spans(part.span, part.assigned_at)))
+            lhs, rhs = outs[0], (call if lc.scale == 1.0 else f"{call} * {lc.scale!r}")
+        op = self.graph.op(ins.op)
+        part = self.placed.get((ins.op, self.program.rank))
+        where = f"{op.module or '(top)'} part {_index(part) if part else ins.part}"
+        spans = _spans(part.span, part.assigned_at) if part else _spans(ins.span)
+        self.stmts.append(Stmt(f"{lhs} = {rhs}", where, spans, self.depth))
+        if ins.loss:
+            self.stmts.append(Stmt(f"rt.loss({outs[0]}, {ins.count!r})", "a loss part", spans,
+                                   self.depth))
 
-    def loss(self) -> str:
-        return self.env.get(self.graph.output, "None")
+    def on_cut(self, ins) -> None:
+        self._hand(ins, f"{ins.out} = {ins.src} cut from its segment")
+
+    def on_free(self, ins) -> None:
+        self._hand(ins, f"free {len(ins.values)} values")
+
+    def on_local(self, ins) -> None:
+        self._hand(ins, f"{self._edge(ins.edge)}: local {_steps_text(ins.steps)}")
+
+    # -- communication and backward -------------------------------------------------------------
+    def on_comm(self, ins) -> None:
+        way = "backward" if ins.backward else "forward"
+        self._hand(ins, f"{self._edge(ins.edge)} mb {ins.mb} {way}: {_steps_text(ins.steps)}")
+
+    def _edge(self, i: int) -> str:
+        tensor, op, slot = self.edges[i]
+        return f"{tensor} -> {op}[{slot}]"
+
+    def on_backward(self, ins) -> None:
+        self._hand(ins, f"backward of a segment from {len(ins.seeds)} loss part(s) and "
+                   f"{len(ins.roots)} received gradient(s)")
+
+    def on_recompute(self, ins) -> None:
+        name = f"recomputed_{len(self.regions)}"
+        self.regions.append((name, self._const(ins)))
+        self.stmts.append(Stmt(f"def {name}(v):", "recomputed in backward", _spans(ins.span),
+                               self.depth))
+        self.depth += 1
+
+    def on_end_recompute(self, ins) -> None:
+        self.depth -= 1
+        name, const = self.regions[-1]
+        self.stmts.append(Stmt(f"rt.recompute({const}, {name})", "keeps no activations",
+                               _spans(ins.span), self.depth))
+
+    def on_wait_sends(self, ins) -> None:
+        self._hand(ins, "wait for the sends in flight")
+
+    def on_reduce(self, ins) -> None:
+        self._hand(ins, f"all_reduce {len(ins.entries)} weight gradients over "
+                   f"{ins.group}")
+
+    def on_loss_sum(self, ins) -> None:
+        self._hand(ins, "the step's loss: all_reduce over every rank")
+
+    def on_step(self, ins) -> None:
+        self._hand(ins, "optimizer step on this rank's shards")
 
 
-def _index(part: Part) -> str:
+def _steps_text(steps: Sequence[Any]) -> str:
+    parts = []
+    for s in steps:
+        if isinstance(s, Coll):
+            extra = "".join(f" {k}={getattr(s, k)}" for k in ("dim", "cat_dim", "split_dim")
+                            if getattr(s, k))
+            parts.append(f"{s.kind}{extra} over {s.group}")
+        elif isinstance(s, P2P):
+            sends = [m.peer for m in s.msgs if m.kind == "send"]
+            recvs = [m.peer for m in s.msgs if m.kind == "recv"]
+            text = []
+            if sends:
+                text.append(f"send to {sorted(set(sends))}")
+            if recvs:
+                text.append(f"receive from {sorted(set(recvs))}")
+            parts.append(" and ".join(text) or "local copy")
+    return ", then ".join(parts) or "nothing moves"
+
+
+def _index(part: Any) -> str:
     if not part.index:
         return "whole"
     return "(" + ", ".join(f"{'r' if r else ''}{i}" for i, r in zip(part.index, part.replica)) + ")"
@@ -176,83 +223,23 @@ def _spans(*spans: Span | None) -> tuple[Span, ...]:
     return tuple(out)
 
 
-def _passthrough(ad: Adapter) -> bool:
-    """No step forward or backward: the consumer's tensor is the producer's (identity)."""
-    return not ad.steps and (ad.backward is None or not ad.backward.steps)
-
-
-def describe(ad: Adapter, rank: int) -> str:
-    """``all_reduce over (0, 1); backward: identity``: what ``rank`` does in ``ad`` and its dual."""
-    back = "none" if ad.backward is None else _steps_text(ad.backward, rank)
-    return f"{_steps_text(ad, rank)}; backward: {back}"
-
-
-def _steps_text(ad: Adapter, rank: int) -> str:
-    parts = [_step_text(s, rank) for s in ad.steps]
-    return ", then ".join(p for p in parts if p) or "identity"
-
-
-def _step_text(step: Any, rank: int) -> str:
-    if isinstance(step, PointToPoint):
-        sends = sum(1 for x in step.messages if x.src == rank and x.dst != rank)
-        recvs = sum(1 for x in step.messages if x.dst == rank and x.src != rank)
-        return f"p2p (sends {sends}, receives {recvs})"
-    group = next((g for g in step.groups if rank in g), None)
-    if group is None:
-        return ""
-    extra = "".join(f" {f.name}={getattr(step, f.name)}" for f in attrs.fields(type(step))
-                    if f.name not in ("groups", "nbytes"))
-    return f"{step.kind}{extra} over {group}"
-
-
 # -- the module ------------------------------------------------------------------------------
 
 
-class NotGeneratable(SsdslError):
-    """The plan needs something code generation does not write yet (stages, micro-batches...)."""
-
-
-def check_generatable(m: Materialized) -> None:
-    """Refuse plans whose per-rank program is more than one forward: pipelines, micro-batches,
-    recompute and order run unit by unit (``RankProgram.run_unit``), which is not written yet."""
-    t = m.transformed
-    later = [d for d in t.deferred if getattr(d, "span", None) is not None]
-    if getattr(m, "schedule", None) is None and getattr(t, "microbatches", 1) == 1 and not later:
-        return
-    span = later[0].span if later else None
-    raise NotGeneratable(
-        "ssdsl compile writes plans of one stage and one micro-batch only; this plan also "
-        "has stages, micro-batches, recompute or order statements", span,
-        hint="run it with `ssdsl run`, which interprets every plan")
-
-
-def generate_rank(m: Materialized, rank: int, prov: Provenance) -> str:
-    """The Python module of ``rank``: header, shard table, cited plan lines, ``forward``."""
-    return _Generator(m, prov).rank(rank)
+def generate_rank(m: Materialized, rank: int, prov: Provenance,
+                  program: Program | None = None) -> str:
+    """The Python module of ``rank``: header, shard table, cited plan lines, instruction
+    constants, ``train_step``."""
+    e = _Emitter(m, program if program is not None else lower_rank(m, rank))
+    for _ in walk(e.program, e):
+        raise AssertionError("the code writer never waits")
+    body = _body(e)
+    return _header(rank, prov, body) + body
 
 
 def generate_all(m: Materialized, prov: Provenance) -> dict[str, str]:
     """``{"rank0.py": text, ...}`` for every rank of the world."""
-    gen = _Generator(m, prov)
-    return {f"rank{r}.py": gen.rank(r) for r in range(prov.world)}
-
-
-class _Generator:
-    """What every rank's module needs, indexed once (parts by device, producers of tensors), so
-    that writing all ranks costs the number of parts, not ranks times parts."""
-
-    def __init__(self, m: Materialized, prov: Provenance) -> None:
-        check_generatable(m)
-        self.m, self.prov = m, prov
-        self.placed = {(op, p.device): p for op, parts in m.transformed.parts.items()
-                       for p in parts if p.device is not None}
-        self.producer = m.transformed.graph.producer()
-
-    def rank(self, rank: int) -> str:
-        e = _RankEmitter(self.m, rank, self.placed, self.producer)
-        e.run()
-        body = _body(e)
-        return _header(rank, self.prov, body) + body
+    return {f"rank{r}.py": generate_rank(m, r, prov) for r in range(prov.world)}
 
 
 def body_digest(text: str) -> str:
@@ -270,10 +257,13 @@ def _header(rank: int, prov: Provenance, body: str) -> str:
         f"{GENERATED_MARK}; regenerate with `ssdsl compile`.\n"
         f'"""Rank {rank} of {prov.world}: plan {prov.plan} ({prov.plan_file}; {params}) '
         f"on model {prov.model}.\n\n"
-        "Generated by ssdsl from the materialized plan. ``forward(rt, batch)`` is this rank's part\n"
-        "of the training forward, in graph order; ``rt`` is ``ssdsl.codegen.runtime.Runtime``.\n"
+        "Generated by ssdsl from this rank's lowered program (`ssdsl check MODEL PLAN --program\n"
+        f"{rank}` prints it). ``train_step(rt, v)`` is the rank's whole training step in order:\n"
+        "local ATen calls on the values ``v``, and the program's other instructions (I0, I1...)\n"
+        "handed to ``rt`` (``ssdsl.runtime.compiled.Runtime``) as they are.\n"
         '"""\n\n'
         "import torch\n\n"
+        "from ssdsl.codegen.prelude import *  # noqa: F403 - the instruction constructors\n\n"
         "aten = torch.ops.aten\n\n"
         f"RANK = {rank}\nWORLD = {prov.world}\n"
         f"PLAN = {prov.plan!r}\nPLAN_FILE = {prov.plan_file!r}\n"
@@ -282,15 +272,17 @@ def _header(rank: int, prov: Provenance, body: str) -> str:
         f"DIGEST = {body_digest(body)!r}\n")
 
 
-def _body(e: _RankEmitter) -> str:
+def _body(e: _Emitter) -> str:
     lines = [_BODY_START.lstrip("\n") + "-" * 80, "# Parameter shards this rank holds: "
              "(graph tensor, qualified name, region).", "SHARDS = ("]
     lines += [f"    {s!r}," for s in e.shards]
     lines += [")", ""]
     lines += _legend(e.stmts)
-    lines += ["", "", "def forward(rt, batch):"]
-    lines += ["    " + _line(s) for s in e.stmts]
-    lines += [f"    return {e.loss()}", ""]
+    lines += ["", "# The program's instructions that the runtime runs as they are."]
+    lines += e.consts
+    lines += ["", "", "def train_step(rt, v):"]
+    lines += ["    " * s.depth + _line(s) for s in e.stmts]
+    lines += [""]
     return "\n" + "\n".join(lines)
 
 
@@ -319,4 +311,3 @@ def _source_line(span: Span) -> str:
         return ""
     lines = text.splitlines()
     return lines[span.line - 1].strip() if 0 < span.line <= len(lines) else ""
-

@@ -3,7 +3,7 @@
 Every file is first written beside its target and then renamed over it (``os.replace``), so a
 reader sees the old or the new module, never half of one. Before anything is written, every
 ``.py`` file already in the folder must carry the generated mark: a folder holding hand-written
-code is refused as a whole. Generated ``rank*.py`` files that the new compile does not produce
+code is refused as a whole. Generated ``rank*.py`` and ``rank*.program`` files that the new compile does not produce
 (a smaller world) are removed, so the folder always holds one consistent program.
 """
 
@@ -39,7 +39,8 @@ def write_programs(folder: str | Path, texts: Mapping[str, str]) -> list[Path]:
         raise NotGenerated(f"{out} exists and is not a folder",
                            hint="give -o a folder path (it is created when missing)")
     out.mkdir(parents=True, exist_ok=True)
-    existing = sorted(p for p in out.iterdir() if p.suffix == ".py" or p.name in texts)
+    existing = sorted(p for p in out.iterdir()
+                      if p.suffix in (".py", ".program") or p.name in texts)
     foreign = [p for p in existing if not is_generated(p)]
     if foreign:
         names = ", ".join(p.name for p in foreign)
@@ -47,7 +48,8 @@ def write_programs(folder: str | Path, texts: Mapping[str, str]) -> list[Path]:
                            hint="choose an empty folder, or move those files away")
     written = [_atomic_write(out / name, text) for name, text in sorted(texts.items())]
     for p in existing:
-        if re.fullmatch(r"rank\d+\.py", p.name) and p.name not in texts:
+        if re.fullmatch(r"rank\d+\.(py|program)", p.name) and p.name not in texts \
+                and is_generated(p):
             p.unlink()
     return written
 

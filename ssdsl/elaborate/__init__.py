@@ -23,6 +23,7 @@ from typing import Any
 from ssdsl.elaborate import directives
 from ssdsl.elaborate.directives import ElaboratedPlan
 from ssdsl.elaborate.engine import DEFAULT_MAX_STEPS, Elaborator, _Abort
+from ssdsl.elaborate.evaluate import MAX_COUNT
 from ssdsl.elaborate.errors import BadSetValue, ElaborationError, UnknownParameter, UnknownPlan
 from ssdsl.elaborate.loader import (PlanLoader, display_name, find_stdlib, stdlib_plans)
 from ssdsl.elaborate.resolve import resolve, suggest
@@ -82,6 +83,8 @@ def elaborate(parsed: Parsed, *, args: Mapping[str, Any] | None = None,
         world = _read_world(sets.pop("world"))
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise UsageError(f"world must be a positive integer, got {world!r}")
+    if world > MAX_COUNT:
+        raise UsageError(f"world {world:,} is beyond the limit of {MAX_COUNT:,} devices")
     static = resolve(parsed.plan)
     if static:
         raise ErrorGroup(static) if len(static) > 1 else static[0]

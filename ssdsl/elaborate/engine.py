@@ -13,13 +13,15 @@ derived error.
 from __future__ import annotations
 
 import itertools
+
+import attrs
 from collections.abc import Callable
 from pathlib import Path as FsPath
 from typing import Any
 
 from ssdsl.elaborate import directives as D
 from ssdsl.elaborate import errors as E
-from ssdsl.elaborate.evaluate import POISON, Poisoned
+from ssdsl.elaborate.evaluate import MAX_COUNT, POISON, POISON_COUNT, Poisoned
 from ssdsl.elaborate.loader import PlanLoader
 from ssdsl.elaborate.places import ALL, Frame, Places
 from ssdsl.elaborate.resolve import suggest
@@ -37,6 +39,10 @@ class _Abort(Exception):
     """Stop elaborating (too many errors, or the step limit)."""
 
 
+class _StopUse(Exception):
+    """Stop running a used plan after its first error: what follows in it builds on what failed."""
+
+
 class Elaborator(Places):
     """One elaboration: shared state across the top plan and every plan it uses."""
 
@@ -50,6 +56,8 @@ class Elaborator(Places):
         self._seen: set[tuple] = set()
         self.part_counts: list[int] = []
         self.stack: list[str] = []
+        self.via: Span | None = None  # the `use` statement the running plan was reached through
+        self.microbatch_span: Span | None = None
         self._stmt: dict[type, Callable[[Any, dict], None]] = {
             A.Let: self._let, A.Partition: self._partition, A.Replicate: self._replicate,
             A.Assign: self._assign, A.AssignEach: self._assign_each,
@@ -59,27 +67,33 @@ class Elaborator(Places):
             A.For: self._for, A.If: self._if}
 
     # ============================================================ errors and limits
-    def report(self, err: SsdslError) -> None:
+    def report(self, err: SsdslError, *, stop_use: bool = True) -> None:
         for e in (err.errors if isinstance(err, ErrorGroup) else [err]):
+            if e.span is not None and self.via is not None and e.span.file == self.stack[-1]:
+                e.span = e.span.reached_via(self.via)
             key = (type(e), e.span, e.message)
             if key not in self._seen:
                 self._seen.add(key)
                 self.errors.append(e)
         if len(self.errors) >= MAX_ERRORS:
             raise _Abort
+        if stop_use and self.via is not None:
+            raise _StopUse
 
     def step(self, span: Span) -> None:
         self.steps += 1
         if self.steps > self.max_steps:
             self.report(E.TooManyDirectives(
                 f"the plan makes more than {self.max_steps:,} directives and loop steps", span,
-                hint="check the bounds of the loops"))
+                hint="check the bounds of the loops"), stop_use=False)
             raise _Abort
 
     def emit(self, directive: D.Directive) -> None:
         self.steps += 1
         if self.steps > self.max_steps:
             self.step(directive.span)
+        if self.via is not None:  # later phases' errors then name the user's `use` line
+            directive = attrs.evolve(directive, span=directive.span.reached_via(self.via))
         self.out.append(directive)
 
     # ============================================================ plans
@@ -173,17 +187,27 @@ class Elaborator(Places):
 
     def _partition(self, s: A.Partition, env: dict) -> None:
         sel = self.sel(s.selector, env)
-        n = self._count(s.count, env, "into")
+        n = self._parts_count(s.count, env, "partition into")
         self.frame.rest.append(sel)
         self.part_counts.append(n)
         self.emit(D.Partition(sel, s.dim, n, s.span))
 
     def _replicate(self, s: A.Replicate, env: dict) -> None:
         sel = self.sel(s.selector, env)
-        n = self._count(s.count, env, "into")
+        n = self._parts_count(s.count, env, "replicate into", limit=self.world,
+                        limit_why=f"copies go one per device, and world is {self.world}")
         self.frame.rest.append(sel)
         self.part_counts.append(n)
         self.emit(D.Replicate(sel, n, s.span))
+
+    def _parts_count(self, e: A.Expr, env: dict, what: str, **limits: Any) -> int:
+        """A partition's or replication's count; when it fails, an ``assign each part`` that
+        would infer its indices from it is skipped rather than reported as a second error."""
+        try:
+            return self._count(e, env, what, **limits)
+        except (SsdslError, Poisoned):
+            self.part_counts.append(POISON_COUNT)
+            raise
 
     def _assign(self, s: A.Assign, env: dict) -> None:
         self.emit(D.Assign(self.sel(s.selector, env), self.place(s.place, env), s.span))
@@ -203,6 +227,8 @@ class Elaborator(Places):
     def _part_space(self, s: A.AssignEach, env: dict) -> Any:
         if s.space is None:
             counts = set(self.part_counts)
+            if POISON_COUNT in counts:
+                raise Poisoned
             if len(s.vars) != 1 or len(counts) != 1:
                 raise E.AmbiguousPartSpace(
                     "cannot tell the part indices: " + (
@@ -211,14 +237,19 @@ class Elaborator(Places):
                     hint="say them: assign each part (i, j) in [0..a, 0..b] to ...")
             return ((i,) for i in range(counts.pop()))
         space = self.ev(s.space, env)
-        axes = [space] if len(s.vars) == 1 else space
+        axes = (space,) if len(s.vars) == 1 else space
         if not isinstance(axes, tuple) or len(axes) != len(s.vars):
             raise E.WrongArity(f"{len(s.vars)} index names need a list of {len(s.vars)} ranges",
                                s.space.span)
         for ax in axes:
-            if not isinstance(ax, (Range, tuple)) or not all(is_int(i) and i >= 0 for i in ax):
+            ok = (isinstance(ax, Range) and ax.lo >= 0) or (
+                isinstance(ax, tuple) and all(is_int(i) and i >= 0 for i in ax))
+            if not ok:
                 raise E.WrongType("a part index space is a range or a list of indices >= 0",
                                   s.space.span)
+            if _largest(ax) >= MAX_COUNT:
+                raise E.CountTooLarge(f"part index {_largest(ax):,} is beyond the limit of "
+                                      f"counts ({MAX_COUNT:,} parts)", s.space.span)
         return itertools.product(*axes)
 
     def _order_before(self, s: A.OrderBefore, env: dict) -> None:
@@ -243,20 +274,36 @@ class Elaborator(Places):
             self.emit(D.OrderSequence(devices, tuple(units), s.span))
 
     def _microbatch(self, s: A.Microbatch, env: dict) -> None:
-        n = self._count(s.count, env, "into")
+        first = self.microbatch_span
+        if first is not None:
+            raise E.DuplicateStatement(
+                "the plan already splits the batch into micro-batches", s.span,
+                hint=f"the first microbatch statement is at {first}"
+                     f"{_via_text(first)}; a plan has one")
+        self.microbatch_span = s.span.reached_via(self.via)
+        try:
+            n = self._count(s.count, env, "microbatch into")
+        except SsdslError:
+            self.microbatches = POISON_COUNT  # later `mb` references are not errors of their own
+            raise
         self.microbatches = n
         self.emit(D.Microbatch(s.dim, n, s.span))
 
     def _stages(self, s: A.Stages, env: dict) -> None:
         if s.name in self.stage_groups:
+            first = self.stage_groups[s.name][1]
             raise E.DuplicateName(f"stage group '{s.name}' is already declared (at "
-                                  f"{self.stage_groups[s.name][1]})", s.span)
-        if s.count is not None:
-            n, sels = self._count(s.count, env, "stages into"), ()
-        else:
-            sels = tuple(self.sel(x, env) for x in s.selectors)
-            n = len(sels)
-        self.stage_groups[s.name] = (n, s.span)
+                                  f"{first}{_via_text(first)})", s.span)
+        try:
+            if s.count is not None:
+                n, sels = self._count(s.count, env, "stages into"), ()
+            else:
+                sels = tuple(self.sel(x, env) for x in s.selectors)
+                n = len(sels)
+        except (SsdslError, Poisoned):
+            self.poisoned.add(s.name)  # `st[i]` later is not an error of its own
+            raise
+        self.stage_groups[s.name] = (n, s.span.reached_via(self.via))
         self.emit(D.Stages(s.name, n, sels, s.span))
 
     def _recompute(self, s: A.Recompute, env: dict) -> None:
@@ -268,8 +315,16 @@ class Elaborator(Places):
 
     def _mesh(self, s: A.Mesh, env: dict) -> None:
         if s.name in self.meshes:
+            first = self.meshes[s.name].span
             raise E.DuplicateName(f"mesh '{s.name}' is already declared (at "
-                                  f"{self.meshes[s.name].span})", s.span)
+                                  f"{first}{_via_text(first)})", s.span)
+        try:
+            self._declare_mesh(s, env)
+        except (SsdslError, Poisoned):
+            self.poisoned.add(s.name)  # `m[...]` later is not an error of its own
+            raise
+
+    def _declare_mesh(self, s: A.Mesh, env: dict) -> None:
         axes, seen = [], set()
         for ax in s.axes:
             if ax.name in seen:
@@ -286,8 +341,8 @@ class Elaborator(Places):
                                      hint="make the mesh smaller or run with more devices "
                                           "(--world N)")
         mesh = D.Mesh(s.name, tuple(axes), tuple(range(origin, origin + size)), s.span)
-        self.meshes[s.name] = mesh
         self.emit(mesh)
+        self.meshes[s.name] = self.out[-1]
 
     def _use(self, s: A.Use, env: dict) -> None:
         current = self.stack[-1] if self.stack else None
@@ -300,9 +355,25 @@ class Elaborator(Places):
         parsed = self.loader.load(path)
         given = self._use_args(s, parsed.plan, env)
         before = len(self.errors)
-        inner = self.bind(parsed.plan, given, s.span)
-        if len(self.errors) == before:  # a plan with unbound parameters would only cascade
+        outer, site = self.via, s.span.reached_via(self.via)
+        self.via = site
+        self.stack.append(path)
+        try:
+            inner = self.bind(parsed.plan, given, s.span)
+        except _StopUse:
+            return
+        finally:
+            self.stack.pop()
+            self.via = outer
+        if len(self.errors) != before:  # a plan with unbound parameters would only cascade
+            return
+        self.via = site
+        try:
             self.run_plan(parsed, inner)
+        except _StopUse:
+            pass
+        finally:
+            self.via = outer
 
     def _use_args(self, s: A.Use, plan: A.Plan, env: dict) -> dict[str, tuple[Any, Span]]:
         given: dict[str, tuple[Any, Span]] = {}
@@ -321,6 +392,16 @@ class Elaborator(Places):
 
     # ============================================================ values for statements
 # ================================================================ helpers
+
+
+def _largest(ax: Range | tuple) -> int:
+    if isinstance(ax, Range):
+        return ax.hi - 1
+    return max(ax, default=-1)
+
+
+def _via_text(span: Span) -> str:
+    return f", in the plan used at {span.via}" if span.via is not None else ""
 
 
 def _params_hint(plan: A.Plan) -> str:

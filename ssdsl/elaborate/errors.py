@@ -127,3 +127,11 @@ class TooManyDirectives(ElaborationError):
 
 class BadSetValue(ElaborationError):
     """A ``--set name=value`` whose value cannot be read as the parameter's type."""
+
+
+class CountTooLarge(WrongValue):
+    """A count above its bound: the world (copies), or the stated limit of counts."""
+
+
+class DuplicateStatement(ElaborationError):
+    """A statement a plan may make once (``microbatch``) made a second time."""

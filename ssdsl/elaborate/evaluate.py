@@ -7,6 +7,7 @@ raises ``Poisoned``, which the statement loop swallows: the first error was alre
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,12 @@ from ssdsl.elaborate.resolve import suggest
 from ssdsl.elaborate.values import (BUILTINS, MAX_MATERIALIZE, Range, is_int, is_number, show,
                                     type_name)
 from ssdsl.parse import ast as A
+from ssdsl.parse.ast import MAX_INT
+
+# The largest count a statement accepts (parts, copies, micro-batches, stages, a mesh axis) and
+# the largest world; stated in docs/language.md. It keeps a typo such as `into 1000000000` an
+# error at its line instead of minutes of allocation in the phases after this one.
+MAX_COUNT = 65_536
 
 
 class Poisoned(Exception):
@@ -23,6 +30,7 @@ class Poisoned(Exception):
 
 
 POISON = object()
+POISON_COUNT = -1  # a count whose statement failed (the micro-batch count): uses are skipped
 
 _ARITH: dict[str, Callable[[Any, Any], Any]] = {
     "+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
@@ -123,8 +131,11 @@ class Evaluator:
             result = _ARITH[op](a, b)
         except (OverflowError, ValueError) as exc:
             raise E.ArithmeticFault(f"cannot compute {op}: {exc}", e.span) from None
-        if isinstance(result, int) and result.bit_length() > 256:
-            raise E.ArithmeticFault("this integer is too large", e.span)
+        if isinstance(result, int) and not -MAX_INT - 1 <= result <= MAX_INT:
+            raise E.ArithmeticFault(f"this integer is outside the limit of +-{MAX_INT:,} "
+                                    "(64 bits)", e.span)
+        if isinstance(result, float) and not math.isfinite(result):
+            raise E.ArithmeticFault(f"this number is {result}", e.span)
         return result
 
     def _call(self, e: A.Call, env: dict) -> Any:
@@ -161,8 +172,15 @@ class Evaluator:
             raise E.WrongType(f"{what} needs an int, got {type_name(v)} {show(v)}", e.span)
         return v
 
-    def _count(self, e: A.Expr, env: dict, what: str) -> int:
+    def _count(self, e: A.Expr, env: dict, what: str, *, limit: int | None = None,
+               limit_why: str = "") -> int:
+        """A count: an int from 1 to ``limit`` (default ``MAX_COUNT``)."""
         n = self._int(e, env, what)
         if n < 1:
             raise E.WrongValue(f"{what} needs a count of at least 1, got {n}", e.span)
+        top = MAX_COUNT if limit is None else min(limit, MAX_COUNT)
+        if n > top:
+            why = limit_why if limit is not None and limit < MAX_COUNT else \
+                f"the limit of counts is {MAX_COUNT:,}"
+            raise E.CountTooLarge(f"{what} {n:,} is too large: {why}", e.span)
         return n

@@ -15,7 +15,7 @@ import attrs
 
 from ssdsl.elaborate import directives as D
 from ssdsl.elaborate import errors as E
-from ssdsl.elaborate.evaluate import POISON, Evaluator
+from ssdsl.elaborate.evaluate import POISON, POISON_COUNT, Evaluator, Poisoned
 from ssdsl.elaborate.resolve import suggest
 from ssdsl.elaborate.values import Range, is_int, show, type_name
 from ssdsl.parse import ast as A
@@ -42,6 +42,7 @@ class Places(Evaluator):
         self.stage_groups: dict[str, tuple[int, Span]] = {}
         self.meshes: dict[str, D.Mesh] = {}
         self.microbatches: int | None = None
+        self.poisoned: set[str] = set()  # stage groups and meshes whose declaration failed
         self.frame = Frame("<plan>")
         self._free: dict[int, tuple[str, ...] | None] = {}
         self._sel_cache: dict[object, D.Selector] = {}
@@ -77,6 +78,8 @@ class Places(Evaluator):
 
     def _mesh_place(self, p: A.PlaceMesh, env: dict) -> tuple[int, ...]:
         mesh = self.meshes.get(p.mesh)
+        if mesh is None and p.mesh in self.poisoned:
+            raise Poisoned
         if mesh is None:
             raise E.UnknownMesh(f"unknown mesh '{p.mesh}'{suggest(p.mesh, self.meshes)}",
                                 p.mesh_span, hint="declare it first: mesh NAME = grid(axis=N, ...)")
@@ -124,6 +127,8 @@ class Places(Evaluator):
         sel = self.sel(item.selector, env)
         if item.pass_ is None:
             return [D.WorkUnit("op", sel, None)]
+        if self.microbatches == POISON_COUNT:
+            raise Poisoned
         if item.mb is None:
             mbs: Any = range(self.microbatches or 1)
         else:
@@ -191,6 +196,8 @@ class Places(Evaluator):
 
     def _stage_ref(self, s: A.SelStage, env: dict) -> D.StageRef:
         group = self.stage_groups.get(s.group)
+        if group is None and s.group in self.poisoned:
+            raise Poisoned
         if group is None:
             raise E.UnknownStageGroup(f"unknown stage group '{s.group}'"
                                       f"{suggest(s.group, self.stage_groups)}", s.group_span,

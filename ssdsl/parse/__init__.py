@@ -17,15 +17,15 @@ from functools import cache
 from pathlib import Path
 
 import attrs
-from lark import Lark, Token
+from lark import Lark, Token, Tree
 from lark.exceptions import (UnexpectedCharacters, UnexpectedEOF, UnexpectedInput,
                              UnexpectedToken, VisitError)
 
 from ssdsl.errors import SsdslError
 from ssdsl.parse import ast
 from ssdsl.parse.build import Builder
-from ssdsl.parse.errors import (PlanSyntaxError, TooDeep, UnexpectedCharacter, UnexpectedEnd,
-                                UnknownKeyword)
+from ssdsl.parse.errors import (BadEncoding, EmptyPlan, PlanSyntaxError, TooDeep,
+                                UnexpectedCharacter, UnexpectedEnd, UnknownKeyword)
 from ssdsl.parse.postlex import Comment, Postlexer
 from ssdsl.resources import grammar_dir
 from ssdsl.source import Span, remember_source
@@ -65,6 +65,10 @@ def _parser() -> tuple[Lark, Postlexer]:
 def parse_text(text: str, file: str = "<plan>") -> Parsed:
     """Parse plan text; ``file`` is the name spans and error messages use."""
     remember_source(file, text)
+    if _EMPTY.fullmatch(text):
+        raise EmptyPlan("the plan is empty: expected `plan NAME(...)` on its first line",
+                        Span.point(file, 1, 1), hint="a plan file starts with a header such as "
+                        "`plan dp(n: int = world)`, followed by its statements")
     lark, post = _parser()
     source = text if text.endswith("\n") else text + "\n"
     with _LOCK:
@@ -76,6 +80,7 @@ def parse_text(text: str, file: str = "<plan>") -> Parsed:
         except RecursionError:
             raise TooDeep("the plan nests too deeply for the parser", Span.point(file, 1, 1)) from None
         comments = tuple(post.comments)
+    _check_nesting(tree, file)
     try:
         plan = Builder(file).transform(tree)
     except VisitError as exc:
@@ -93,10 +98,74 @@ def parse_file(path: str | Path, *, name: str | None = None) -> Parsed:
     """Read and parse a plan file; spans name it ``name`` (default: the path as given)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PlanSyntaxError(f"cannot read plan file {path}: {exc}", file=str(path)) from None
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PlanSyntaxError(f"cannot read plan file {path}: {exc.strerror or exc}",
+                              file=str(path)) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _bad_byte(data, exc, name or str(path)) from None
     return parse_text(text, name or str(path))
+
+
+# Blank lines and comments only (a file with no header at all).
+_EMPTY = re.compile(r"(\s*(#[^\n]*)?\n?)*\s*")
+
+
+def _bad_byte(data: bytes, exc: UnicodeDecodeError, file: str) -> BadEncoding:
+    """The first byte that is not UTF-8, located by line and column (in characters)."""
+    start = data.rfind(b"\n", 0, exc.start) + 1
+    line = data.count(b"\n", 0, exc.start) + 1
+    column = len(data[start:exc.start].decode("utf-8", errors="replace")) + 1
+    remember_source(file, data.decode("utf-8", errors="replace"))
+    return BadEncoding(f"byte 0x{data[exc.start]:02x} is not UTF-8 text", Span.point(file, line, column),
+                       hint="save the plan as UTF-8 (plans are plain text)")
+
+
+_NESTED_RULES = frozenset({"range", "range_incl", "or_op", "and_op", "not_op", "compare", "binop",
+                           "neg", "index", "call", "list_lit", "sel_except", "sel_union",
+                           "sel_inter", "sel_part", "path", "part_index", "interleave"})
+
+
+def _check_nesting(tree: Tree, file: str) -> None:
+    """Refuse an expression or selector nested deeper than ``MAX_NESTING``, at its position.
+
+    Later phases walk the AST recursively; checking the height here, without recursion, turns a
+    100,000-term sum into an error at the expression instead of a stack overflow at 1:1.
+    """
+    heights: dict[int, int] = {}
+    stack: list[tuple[Tree, bool]] = [(tree, False)]
+    while stack:
+        node, done = stack.pop()
+        kids = [c for c in node.children if isinstance(c, Tree)]
+        if done:
+            heights[id(node)] = 1 + max((heights[id(c)] for c in kids), default=0)
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c in kids)
+    if heights[id(tree)] <= ast.MAX_NESTING:
+        return
+    node, found = tree, None
+    while True:
+        if node.data in _NESTED_RULES and heights[id(node)] > ast.MAX_NESTING:
+            found = node
+            break
+        kids = [c for c in node.children if isinstance(c, Tree)]
+        if not kids:
+            break
+        node = max(kids, key=lambda c: heights[id(c)])
+    if found is None:  # statements nested in blocks: deep, but within the walks' reach
+        if heights[id(tree)] <= 3 * ast.MAX_NESTING:
+            return
+        found = node
+    node = found
+    meta = node.meta
+    span = Span(file, meta.line, meta.column, meta.line,
+                meta.end_column if meta.end_line == meta.line else meta.column + 1)
+    raise TooDeep(f"this expression nests {heights[id(node)]} levels deep; the limit is "
+                  f"{ast.MAX_NESTING}", span,
+                  hint="split it with let statements, or use sum()/min()/max() of a list")
 
 
 # ---------------------------------------------------------------- friendly syntax errors

@@ -12,6 +12,12 @@ import attrs
 
 from ssdsl.source import Span
 
+# Limits of the language, stated in docs/language.md ("Limits"). An integer (literal or result)
+# fits in 64 bits; an expression or selector nests at most MAX_NESTING levels (a sum of 200 terms
+# is 200 levels), which keeps every recursive walk of the AST far from Python's stack limit.
+MAX_INT = 2 ** 63 - 1
+MAX_NESTING = 200
+
 # ---------------------------------------------------------------- expressions
 
 

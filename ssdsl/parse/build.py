@@ -275,7 +275,13 @@ class Builder(Transformer):
         return A.Arg(str(ch[0]), ch[1], self._sp(meta))
 
     def int_lit(self, meta, ch):
-        return A.Num(int(ch[0]), str(ch[0]), self._sp(meta))
+        text = str(ch[0])
+        # compare digits before int(): Python refuses to read more than 4300 digits
+        if len(text.lstrip("0")) > len(str(A.MAX_INT)) or int(text) > A.MAX_INT:
+            shown = text if len(text) <= 30 else f"{text[:12]}...{text[-6:]} ({len(text)} digits)"
+            raise BadLiteral(f"the integer {shown} is larger than the limit {A.MAX_INT:,} "
+                             "(2**63 - 1)", self._tok(ch[0]))
+        return A.Num(int(text), text, self._sp(meta))
 
     def float_lit(self, meta, ch):
         value = float(ch[0])

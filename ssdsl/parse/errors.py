@@ -71,3 +71,11 @@ class TooDeep(PlanSyntaxError):
 
 class BadLiteral(PlanSyntaxError):
     """A number or string literal that cannot be read."""
+
+
+class EmptyPlan(MissingPlanHeader):
+    """A file with nothing but blank lines and comments."""
+
+
+class BadEncoding(PlanSyntaxError):
+    """A byte that is not UTF-8."""

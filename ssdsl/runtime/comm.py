@@ -250,6 +250,58 @@ class _ConsumerOnly(torch.autograd.Function):
         return None, None, None, None, torch.zeros(0, dtype=ctx.dtype)
 
 
+# -- localized steps (``ssdsl.lower.instr.Coll``) ------------------------------------------------
+
+
+def coll_on_rank(coll, rank: int, x: torch.Tensor, groups: ProcessGroups | None) -> torch.Tensor:
+    """Run one localized collective ``coll`` (kind, group, dims) for ``rank`` on
+    torch.distributed; chunk and zero-split are local."""
+    g = coll.group
+    if coll.kind == "all_gather":
+        return raw_all_gather(x, g, coll.dim, groups) if len(g) > 1 else x
+    if coll.kind == "all_reduce":
+        return raw_all_reduce(x, g, groups) if len(g) > 1 else x
+    if coll.kind == "reduce_scatter":
+        return raw_reduce_scatter(x, g, coll.dim, rank, groups) if len(g) > 1 else x
+    if coll.kind == "all_to_all":
+        return raw_all_to_all(x, g, coll.cat_dim, coll.split_dim, groups) if len(g) > 1 else x
+    return local_coll(coll, rank, x)
+
+
+def local_coll(coll, rank: int, x: torch.Tensor) -> torch.Tensor:
+    """A collective that moves nothing: chunk, zero-split, or any kind over a group of one."""
+    if coll.kind == "chunk":
+        return raw_chunk(x, coll.group, coll.dim, rank)
+    if coll.kind == "zero_split":
+        return x if coll.group.index(rank) == 0 else torch.zeros_like(x)
+    if len(coll.group) == 1:
+        return x
+    raise ValueError(f"{coll.kind} over {coll.group} moves data")
+
+
+def combine(coll, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every member's result of collective ``coll``, from every member's input (group order):
+    the in-process simulation of one meeting."""
+    g = coll.group
+    if coll.kind == "all_gather":
+        ys = [torch.cat(xs, coll.dim)] * len(g)
+    elif coll.kind == "all_reduce":
+        ys = [torch.stack(xs).sum(0)] * len(g)
+    elif coll.kind == "reduce_scatter":
+        ys = list(torch.stack(xs).sum(0).chunk(len(g), coll.dim))
+    elif coll.kind == "all_to_all":
+        parts = [x.chunk(len(g), coll.split_dim) for x in xs]
+        ys = [torch.cat([p[m] for p in parts], coll.cat_dim) for m in range(len(g))]
+    else:
+        ys = [local_coll(coll, r, x) for r, x in zip(g, xs)]
+    return [y.clone() for y in ys]
+
+
+def isend(piece: torch.Tensor, peer: int, tag: int) -> None:
+    """A send that never blocks; it completes by ``wait_sends``."""
+    _PENDING_SENDS.append((dist.isend(piece, peer, tag=tag), piece))
+
+
 # -- simulation of every rank in one process (the verifier) -------------------------------------
 
 

@@ -1,36 +1,35 @@
-"""The per-rank executor: run this rank's parts, the adapters, backward, reducers, optimizer.
+"""Running a rank's lowered program: the instruction handlers every backend shares.
 
-Every rank walks the operators in graph order and, for each data edge, calls the edge's adapter
-when it takes part in it, so the collectives of all ranks line up without any extra
-synchronisation. Forward runs each part's local ATen call; backward is autograd through those
-calls and through the adapters (whose backward is the planned gradient adapter); weight gradients
-are then summed by the reducer's buckets and the optimizer steps on this rank's shards.
+``Runner`` handles every instruction that stays on the rank (taking inputs and shards, local
+ATen calls, cuts, local adapters, backward segments, recompute, freeing, the optimizer). Where a
+rank meets others (a collective, a receive, a send) it calls ``meet``/``meet_all``/``post``,
+which a backend defines: ``DistRunner`` on torch.distributed here, ``SimRunner``
+(``ssdsl.runtime.simulate``) by yielding to the in-process exchange. The walk itself is
+``ssdsl.lower.walk.walk``: one walk, whatever the backend.
 
-Pipelines (stages, micro-batches) run the same walk per unit ``F(s, k)`` over stage s's
-operators on micro-batch k, and ``B(s, k)`` as one autograd backward from that unit's roots, in
-the order of this rank's schedule program (``ssdsl.runtime.pipeline``, ``docs/pipelines.md``).
+``RankProgram`` is one rank's trainer: its program (``ssdsl.lower.lower_rank``), its shards
+(``init_state``), its optimizer, and ``train_batch``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
-
 from torch.utils.checkpoint import checkpoint
 
 from ssdsl.ir.interpret import call_target
 from ssdsl.ir.region import Region
-from ssdsl.materialize.program import Materialized, UnsupportedPlacement
-from ssdsl.runtime.comm import reduce_gradients, run_adapter, wait_sends
+from ssdsl.lower import Handler, Program, Wait, lower_rank, walk
+from ssdsl.lower.instr import Coll, P2P
+from ssdsl.materialize.program import Materialized
+from ssdsl.runtime.comm import coll_on_rank, isend, local_coll, wait_sends, _pg
 from ssdsl.runtime.groups import ProcessGroups, groups_of
-from ssdsl.runtime.pipeline import PipelineLayout, recompute_ops
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
-from ssdsl.schedule.units import Pass, Unit
 from ssdsl.trace.model_file import ModelFile
 
 
@@ -60,277 +59,428 @@ class RankState:
     fixed: dict[tuple[str, Region], torch.Tensor]
 
 
-@attrs.define
-class _MicroBatch:
-    """What one micro-batch's units leave for the later units of this rank."""
+def init_state(m: Materialized, rank: int, model: torch.nn.Module) -> RankState:
+    """Slices of the seeded single-device model's parameters that ``rank``'s parts read."""
+    graph = m.transformed.graph
+    full = _named_values(model, graph)
+    leaves: dict[tuple[str, Region], torch.Tensor] = {}
+    fixed: dict[tuple[str, Region], torch.Tensor] = {}
+    for (name, _op, _slot, device), use in m.sources.items():
+        if device != rank or name not in full:
+            continue
+        key = (name, use.region)
+        if name in graph.params and key not in leaves:
+            leaves[key] = use.region.slice_of(full[name]).detach().clone().requires_grad_(True)
+        elif name not in graph.params and key not in fixed:
+            fixed[key] = use.region.slice_of(full[name]).detach().clone()
+    return RankState(leaves, fixed)
 
-    inputs: dict[str, torch.Tensor]               # this micro-batch's slice of each graph input
-    env: dict[str, torch.Tensor] = attrs.Factory(dict)       # produced tensors, this rank's parts
-    made_in: dict[str, int] = attrs.Factory(dict)             # tensor -> stage that produced it
-    roots: dict[int, list] = attrs.Factory(dict)              # stage -> [(tensor, grad | None)]
-    bridges: dict[int, list] = attrs.Factory(dict)            # stage -> [(value, detached, stage)]
-    loss: torch.Tensor | None = None
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+           "bool": torch.bool}
+
+
+def _dtype(name: str, run: torch.dtype) -> torch.dtype:
+    """A program's dtype name; ``float`` is the run's floating dtype (chosen at run time)."""
+    return run if name == "float" else _DTYPES.get(name) or getattr(torch, name)
+
+
+class _LocalSteps(torch.autograd.Function):
+    """A local adapter: ``steps`` forward, ``back`` backward, no other rank involved."""
+
+    @staticmethod
+    def forward(ctx, runner: Runner, ins: Any, like: torch.Tensor, *inputs: torch.Tensor):
+        ctx.runner, ctx.ins, ctx.n = runner, ins, len(inputs)
+        outs = runner.local_steps(ins.steps, list(inputs), like)
+        ctx.shapes = [tuple(o.shape) for o in outs]
+        ctx.like = like
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        held = [g if g is not None else ctx.like.new_zeros(s) for g, s in zip(grads, ctx.shapes)]
+        res = ctx.runner.local_steps(ctx.ins.back, held, ctx.like)
+        res = list(res) + [None] * (ctx.n - len(res))
+        return (None, None, None, *res[:ctx.n])
+
+
+class Runner(Handler):
+    """The instruction handlers of one rank; communication goes through ``meet``, ``meet_all``
+    and ``post``, which each backend defines."""
+
+    def __init__(self, rank: int, state: RankState, *, dtype: torch.dtype,
+                 opt: torch.optim.Optimizer | None = None,
+                 device: torch.device = torch.device("cpu")) -> None:
+        self.rank, self.state, self.dtype, self.opt, self.device = rank, state, dtype, opt, device
+        self.env: dict[str, Any] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.batch: tuple[torch.Tensor, ...] = ()
+        self.losses: list[tuple[torch.Tensor, bool]] = []
+        self.loss_total: float | None = None
+        self.peak_live = 0
+        self._region: tuple[Any, list] | None = None
+        self._replay = False
+
+    def start(self, batch: tuple[torch.Tensor, ...]) -> None:
+        """A new step on the whole batch ``(*inputs, target)``."""
+        self.batch = tuple(batch)
+        self.env, self.grads, self.losses, self.loss_total = {}, {}, [], None
+
+    # -- backends -------------------------------------------------------------------------------
+    def meet(self, w: Wait) -> Iterator[Wait]:
+        raise NotImplementedError
+
+    def meet_all(self, ws: list[Wait]) -> Iterator[Wait]:
+        for w in ws:
+            yield from self.meet(w)
+
+    def post(self, msg, piece: torch.Tensor, ins: Any) -> None:
+        raise NotImplementedError
+
+    # -- dispatch (a recomputed region's instructions are gathered, then run) -------------------
+    def visit(self, ins: Any) -> Iterator[Wait] | None:
+        if self._region is not None and ins.kind != "end_recompute":
+            self._region[1].append(ins)
+            return None
+        return getattr(self, "on_" + ins.kind)(ins)
+
+    # -- units and values -----------------------------------------------------------------------
+    def on_begin(self, ins) -> None:
+        return None
+
+    def on_end(self, ins) -> None:
+        if "F" in ins.unit:
+            self.peak_live = max(self.peak_live, len(self.env))
+
+    def on_input(self, ins) -> None:
+        x = self.batch[ins.index]
+        if ins.box is not None:
+            x = ins.box.slice_of(x)
+        self.env[ins.out] = ins.region.slice_of(x)
+
+    def on_param(self, ins) -> None:
+        self.env[ins.out] = scale_grad(self.state.leaves[(ins.tensor, ins.region)], ins.scale)
+
+    def on_buffer(self, ins) -> None:
+        self.env[ins.out] = self.state.fixed[(ins.tensor, ins.region)]
+
+    def on_call(self, ins) -> None:
+        env = self.env
+        local = [None if v is None else env[v] for v in ins.ins]
+        args, kwargs = ins.call.bind(local)
+        try:
+            out = _call(ins.call.target, args, kwargs)
+        except RuntimeError as err:  # name the operator: torch's message does not
+            raise RuntimeError(f"operator '{ins.op}' ({ins.call.target}, part {ins.part}) on "
+                               f"rank {self.rank}: {err}") from err
+        outs = tuple(out) if ins.listy else (out,)
+        if ins.call.scale != 1.0:
+            outs = tuple(o * ins.call.scale for o in outs)
+        env.update(zip(ins.outs, outs, strict=True))
+        if ins.loss:
+            self.record_loss(outs[0], ins.count)
+
+    def on_cut(self, ins) -> None:
+        src = self.env[ins.src]
+        self.env[ins.out] = src.detach().requires_grad_(src.requires_grad)
+
+    def on_free(self, ins) -> None:
+        for v in ins.values:
+            self.env.pop(v, None)
+            self.grads.pop(v, None)
+
+    # -- local communication ----------------------------------------------------------------------
+    def local_steps(self, steps, held: list[torch.Tensor], like: torch.Tensor
+                    ) -> list[torch.Tensor]:
+        """Steps that exchange nothing with other ranks (copies, chunks, groups of one)."""
+        for step in steps:
+            if isinstance(step, Coll):
+                held = [local_coll(step, self.rank, held[0])] if held else held
+            else:
+                outs = [torch.zeros(r.local_shape, dtype=like.dtype, device=like.device)
+                        for r in step.targets]
+                for msg in step.msgs:
+                    piece = step.sources[msg.src_slot].extract(held[msg.src_slot], msg.region)
+                    step.targets[msg.dst_slot].add_into(outs[msg.dst_slot], msg.region, piece)
+                held = outs
+        return held
+
+    def on_local(self, ins) -> None:
+        inputs = [self.env[v] for v in ins.ins]
+        like = inputs[0] if inputs else torch.empty(0, dtype=self.dtype, device=self.device)
+        if any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+            outs = _LocalSteps.apply(self, ins, like.detach(), *inputs)
+        else:
+            outs = self.local_steps(ins.steps, inputs, like)
+        self.env.update(zip(ins.outs, outs, strict=True))
+
+    # -- communication --------------------------------------------------------------------------
+    def on_comm(self, ins) -> Iterator[Wait]:
+        dtype = _dtype(ins.dtype, self.dtype)
+        if ins.backward:
+            held = [self.grads.pop(v, None) for v in ins.ins]
+            held = [g if g is not None else torch.zeros(s, dtype=dtype, device=self.device)
+                    for g, s in zip(held, ins.shapes)]
+        else:
+            held = [self.env[v].detach() for v in ins.ins]
+        ident = ("comm", ins.edge, ins.mb, ins.backward)
+        for step in ins.steps:
+            if isinstance(step, Coll):
+                if not held:
+                    continue
+                if step.meets:
+                    w = Wait(self.rank, step, ins, ident, payload=held[0].contiguous())
+                    yield from self.meet(w)
+                    held = [w.result]
+                else:
+                    held = [local_coll(step, self.rank, held[0])]
+            else:
+                held = yield from self._p2p(step, held, dtype, ins)
+        if ins.backward:
+            for v, g in zip(ins.outs, held):
+                have = self.grads.get(v)
+                self.grads[v] = g if have is None else have + g
+        else:
+            for v, y in zip(ins.outs, held):
+                if ins.grad and y.is_floating_point():
+                    y = y.detach().requires_grad_(True)
+                self.env[v] = y
+
+    def _p2p(self, step: P2P, held: list[torch.Tensor], dtype: torch.dtype, ins
+             ) -> Iterator[Wait]:
+        outs = [torch.zeros(r.local_shape, dtype=dtype, device=self.device)
+                for r in step.targets]
+        recvs: list[tuple[Any, Wait]] = []
+        for msg in step.msgs:
+            if msg.kind == "copy":
+                piece = step.sources[msg.src_slot].extract(held[msg.src_slot], msg.region)
+                step.targets[msg.dst_slot].add_into(outs[msg.dst_slot], msg.region, piece)
+            elif msg.kind == "send":
+                piece = step.sources[msg.src_slot].extract(held[msg.src_slot], msg.region)
+                self.post(msg, piece.contiguous(), ins)
+            else:
+                buf = torch.empty(msg.region.local_shape, dtype=dtype, device=self.device)
+                recvs.append((msg, Wait(self.rank, msg, ins, payload=buf,
+                                        shape=msg.region.local_shape)))
+        yield from self.meet_all([w for _, w in recvs])
+        for msg, w in recvs:
+            step.targets[msg.dst_slot].add_into(outs[msg.dst_slot], msg.region, w.result)
+        return outs
+
+    # -- backward -------------------------------------------------------------------------------
+    def on_backward(self, ins) -> None:
+        env = self.env
+        tensors, grads = [], []
+        for v in ins.seeds:
+            t = env.get(v)
+            if t is not None and t.requires_grad:
+                tensors.append(t)
+                grads.append(torch.ones_like(t))
+        for v in ins.roots:
+            t, g = env.get(v), self.grads.pop(v, None)
+            if t is not None and g is not None and t.requires_grad:
+                tensors.append(t)
+                grads.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        for leaf, into in ins.collect:
+            t = env.get(leaf)
+            if t is not None and t.grad is not None:
+                have = self.grads.get(into)
+                self.grads[into] = t.grad if have is None else have + t.grad
+                t.grad = None
+
+    # -- recompute ------------------------------------------------------------------------------
+    def on_recompute(self, ins) -> None:
+        self._region = (ins, [])
+
+    def on_end_recompute(self, ins) -> None:
+        begin, body = self._region
+        self._region = None
+
+        def run_body(_env: dict) -> None:
+            for x in body:
+                if Handler.visit(self, x) is not None:
+                    raise RuntimeError("a recomputed region communicates")
+        self.recomputed(begin, run_body)
+
+    def recomputed(self, begin, body) -> None:
+        """Run ``body(env)`` (which reads ``begin.ins`` from ``env`` and writes ``begin.outs``)
+        keeping none of its activations: backward runs it again."""
+        calls = [0]
+
+        def segment(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            saved, replay = self.env, self._replay
+            self.env = dict(zip(begin.ins, values))
+            self._replay = calls[0] > 0
+            calls[0] += 1
+            try:
+                body(self.env)
+                return tuple(self.env[v] for v in begin.outs)
+            finally:
+                self.env, self._replay = saved, replay
+
+        values = [self.env[v] for v in begin.ins]
+        results = checkpoint(segment, *values, use_reentrant=False)
+        self.env.update(zip(begin.outs, results, strict=True))
+
+    def record_loss(self, value: torch.Tensor, count: bool) -> None:
+        """Keep a loss part for the step's loss (not again when a region is recomputed)."""
+        if not self._replay:
+            self.losses.append((value, count))
+
+    # -- the step's tail ------------------------------------------------------------------------
+    def on_wait_sends(self, ins) -> None:
+        return None
+
+    def _grad_of(self, key: tuple[str, Region]) -> torch.Tensor:
+        leaf = self.state.leaves[key]
+        if leaf.grad is None:
+            leaf.grad = torch.zeros_like(leaf)
+        return leaf.grad
+
+    def on_reduce(self, ins) -> Iterator[Wait]:
+        grads = [self._grad_of(e) for e in ins.entries]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        w = Wait(self.rank, Coll("all_reduce", ins.group), ins, ("reduce", ins.bucket),
+                 payload=flat)
+        yield from self.meet(w)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(w.result[offset:offset + n].view_as(g))
+            offset += n
+
+    def on_loss_sum(self, ins) -> Iterator[Wait]:
+        mine = float(sum(float(x.detach()) for x, counted in self.losses if counted))
+        w = Wait(self.rank, Coll("all_reduce", ins.group), ins, ("loss",),
+                 payload=torch.tensor([mine], dtype=torch.float64))
+        yield from self.meet(w)
+        self.loss_total = float(w.result.item())
+
+    def on_step(self, ins) -> None:
+        for key in self.state.leaves:
+            self._grad_of(key)
+        if self.opt is not None:
+            self.opt.step()
+
+
+class DistRunner(Runner):
+    """Communication on torch.distributed: collectives and receives happen where they stand."""
+
+    def __init__(self, *args: Any, groups: ProcessGroups | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.groups = groups
+
+    def meet(self, w: Wait) -> Iterator[Wait]:
+        if isinstance(w.what, Coll):
+            w.result = coll_on_rank(w.what, self.rank, w.payload, self.groups)
+        else:
+            dist.recv(w.payload, w.what.peer, tag=w.what.tag)
+            w.result = w.payload
+        return iter(())
+
+    def meet_all(self, ws: list[Wait]) -> Iterator[Wait]:
+        reqs = [dist.irecv(w.payload, w.what.peer, tag=w.what.tag) for w in ws]
+        for w, req in zip(ws, reqs):
+            req.wait()
+            w.result = w.payload
+        return iter(())
+
+    def post(self, msg, piece: torch.Tensor, ins: Any) -> None:
+        isend(piece, msg.peer, msg.tag)
+
+    def on_wait_sends(self, ins) -> None:
+        wait_sends()
+
+    def on_loss_sum(self, ins) -> Iterator[Wait]:
+        mine = float(sum(float(x.detach()) for x, counted in self.losses if counted))
+        total = torch.tensor([mine], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(total, group=_pg(self.groups, ins.group) if self.groups else None)
+        self.loss_total = float(total.item())
+        return iter(())
 
 
 class RankProgram:
-    """One rank's view of a materialized plan, ready to train.
+    """One rank's trainer: its lowered program, shards, optimizer and training step.
 
-    A plan without stages or micro-batches runs ``forward`` then one backward. A pipelined plan
-    runs this rank's schedule program unit by unit (see ``run_unit``).
+    ``program`` defaults to ``lower_rank(m, rank)``; pass one to run a program read back from
+    its text (``ssdsl.lower.parse_program``) or otherwise prepared.
     """
 
     def __init__(self, m: Materialized, rank: int, model_file: ModelFile, model: torch.nn.Module,
-                 *, dtype: torch.dtype, optimizer: OptimizerSpec, groups: ProcessGroups | None):
+                 *, dtype: torch.dtype, optimizer: OptimizerSpec, groups: ProcessGroups | None,
+                 program: Program | None = None):
         self.m, self.rank, self.mf, self.dtype = m, rank, model_file, dtype
         self.graph = m.transformed.graph
         self.groups = groups
-        self.my_parts = {op.name: m.part_on(op.name, rank) for op in self.graph.ops}
-        self._loss_part = self.my_parts[self.graph.producer()[self.graph.output].name]
         self.state = self._init_state(model)
         self.opt = build_optimizer(optimizer, model_file, list(self.state.leaves.values()))
-        self.layout = PipelineLayout.of(m)
-        self.program = self.layout.program_of(rank)
-        self.recompute = recompute_ops(m)
-        self.direct = frozenset(key for key, e in m.edges.items() if _passthrough(e.adapter, rank))
-        # the edges this rank runs as a producer only, right after their producer (its sends)
-        self.sends = {op: [key for key in keys if self.layout.at_consumer[key].get(rank) is False]
-                      for op, keys in self.layout.sends_after.items()}
-        self._mbs: dict[int, _MicroBatch] = {}
-        # the most activations (tensors of this rank's parts) alive at once, over all steps
-        self.peak_live = 0
+        self.program = program if program is not None else lower_rank(m, rank)
+        self.runner = DistRunner(rank, self.state, dtype=dtype, opt=self.opt, groups=groups)
+
+    def _init_state(self, model: torch.nn.Module) -> RankState:
+        """This rank's shards (swap this to initialise them otherwise)."""
+        return init_state(self.m, self.rank, model)
 
     @property
-    def pipelined(self) -> bool:
-        """Whether a step runs several units (stages or micro-batches)."""
-        return self.m.schedule is not None or self.m.transformed.microbatches > 1 \
-            or bool(self.recompute)
+    def peak_live(self) -> int:
+        """The most values (activations, shards taken, cuts) alive at once after a forward unit."""
+        return self.runner.peak_live
 
-    # ------------------------------------------------------------------ setup
-    def _init_state(self, model: torch.nn.Module) -> RankState:
-        """Slices of the seeded single-device model's parameters that this rank's parts read."""
-        full = _named_values(model, self.graph)
-        leaves: dict[tuple[str, Region], torch.Tensor] = {}
-        fixed: dict[tuple[str, Region], torch.Tensor] = {}
-        for (name, _op, _slot, device), use in self.m.sources.items():
-            if device != self.rank or name not in full:
-                continue
-            key = (name, use.region)
-            if name in self.graph.params and key not in leaves:
-                leaves[key] = use.region.slice_of(full[name]).detach().clone().requires_grad_(True)
-            elif name not in self.graph.params and key not in fixed:
-                fixed[key] = use.region.slice_of(full[name]).detach().clone()
-        return RankState(leaves, fixed)
+    @property
+    def recompute(self) -> frozenset[str]:
+        """The operators whose calls this rank recomputes."""
+        out, inside = set(), False
+        for ins in self.program.instructions:
+            inside = (inside or ins.kind == "recompute") and ins.kind != "end_recompute"
+            if inside and ins.kind == "call":
+                out.add(ins.op)
+        return frozenset(out)
 
-    # ------------------------------------------------------------------ units
+    # -- partial walks (tests look inside a step) ------------------------------------------------
     def begin(self, batch: tuple[torch.Tensor, ...]) -> None:
-        """Start a step on the whole batch: every micro-batch's slice of the graph inputs."""
-        full = dict(zip(self.graph.inputs, batch, strict=True))
-        boxes = self.m.transformed.input_boxes
-        self._mbs = {k: _MicroBatch({name: boxes[name][k].slice_of(x) if name in boxes else x
-                                     for name, x in full.items()})
-                     for k in range(self.m.transformed.microbatches)}
+        """Start a step on the whole batch (every micro-batch's slice is taken from it)."""
+        self.runner.start(tuple(to_dtype(tuple(batch), self.dtype)))
 
-    def run_unit(self, unit: Unit) -> None:
-        """Run ``F(s, k)`` or ``B(s, k)`` of this rank's program."""
-        if unit.kind is Pass.F:
-            self.forward_unit(unit.stage, unit.mb)
-        elif unit.kind is Pass.B:
-            self.backward_unit(unit.stage, unit.mb)
-        else:
-            raise UnsupportedPlacement(f"unit {unit}: split backward passes (I/W) are not run "
-                                       "yet", None, hint="order whole backward passes")
+    def run_unit(self, unit: str) -> None:
+        """Run the instructions of one unit (``'0F1'``) of this rank's program."""
+        inside = False
+        for ins in self.program.instructions:
+            if ins.kind == "begin" and ins.unit == unit:
+                inside = True
+            if inside:
+                for _ in self.runner.visit(ins) or ():
+                    raise RuntimeError("a distributed runner never waits")
+            if ins.kind == "end" and ins.unit == unit:
+                return
 
     def forward_unit(self, stage: int, k: int) -> None:
-        """The forward of this rank's parts of ``stage`` on micro-batch ``k``, with the adapters
-        this rank joins there: receives into the stage, sends out of it (which do not block)."""
-        mb = self._mbs[k]
-        ops = self.layout.ops_of[stage]
-        i = 0
-        while i < len(ops):
-            j = i
-            while j < len(ops) and ops[j].name in self.recompute:
-                j += 1
-            if j > i:
-                self._run_checkpointed(ops[i:j], stage, k, mb)
-                i = j
-            else:
-                self._run_op(ops[i], stage, k, mb)
-                i += 1
-        live = sum(len(m.env) for m in self._mbs.values())
-        self.peak_live = max(self.peak_live, live)
+        self.run_unit(f"{stage}F{k}")
 
-    def backward_unit(self, stage: int, k: int) -> None:
-        """Backward of ``stage`` on micro-batch ``k``: from its loss part, the tokens of its sends
-        and the gradients later stages on this rank left for it; gradients accumulate in
-        ``.grad`` of the shards, and those for earlier stages on this rank are left for them."""
-        mb = self._mbs[k]
-        roots = [(t, g) for t, g in mb.roots.pop(stage, []) if t.requires_grad]
-        if roots:
-            torch.autograd.backward([t for t, _ in roots],
-                                    [torch.ones_like(t) if g is None else g for t, g in roots])
-        for value, detached, source_stage in mb.bridges.pop(stage, []):
-            if detached.grad is not None:
-                mb.roots.setdefault(source_stage, []).append((value, detached.grad))
-        for name in [n for n, s in mb.made_in.items() if s == stage]:
-            mb.env.pop(name, None)  # this stage's activations are no longer needed
-            mb.made_in.pop(name)
-
-    def _run_op(self, op, stage: int, k: int, mb: _MicroBatch) -> None:
-        part = self.my_parts[op.name]
-        local: list[Any] = [None] * len(op.inputs)
-        for slot, name in enumerate(op.inputs):
-            reads = part is not None and part.sub.inputs[slot] is not None
-            key = (name, op.name, slot)
-            edge = self.m.edges.get(key)
-            if edge is not None:
-                if key in self.direct:  # nothing moves: skip the adapter's autograd node
-                    if reads:
-                        local[slot] = self._value(name, stage, mb)
-                elif self.layout.at_consumer.get(key, {}).get(self.rank):
-                    got = run_adapter(edge.adapter, self.rank, self._value(name, stage, mb),
-                                      groups=self.groups, tag=self.layout.tag(key, k))
-                    if reads:
-                        local[slot] = got
-                    elif got is not None:
-                        mb.roots.setdefault(stage, []).append((got, None))
-            elif reads:
-                local[slot] = self._source(name, op.name, slot, mb.inputs)
-        if part is not None:
-            args, kwargs = part.sub.local.bind(local)
-            try:
-                out = _call(part.sub.local.target, args, kwargs)
-            except RuntimeError as err:  # name the operator: torch's message does not
-                raise RuntimeError(f"operator '{op.name}' ({part.sub.local.target}, part "
-                                   f"{part.index}) on rank {self.rank}: {err}") from err
-            outs = tuple(out) if op.returns == "list" else (out,)
-            if part.sub.local.scale != 1.0:
-                outs = tuple(o * part.sub.local.scale for o in outs)
-            mb.env.update(zip(op.outputs, outs, strict=True))
-            mb.made_in.update((x, stage) for x in op.outputs)
-            if self.graph.output in op.outputs:
-                mb.loss = mb.env[self.graph.output]
-                mb.roots.setdefault(stage, []).append((mb.loss, None))
-        for key in self.sends.get(op.name, ()):
-            edge = self.m.edges[key]
-            got = run_adapter(edge.adapter, self.rank, mb.env.get(edge.tensor),
-                              groups=self.groups, tag=self.layout.tag(key, k))
-            if got is not None:
-                mb.roots.setdefault(stage, []).append((got, None))
-
-    def _value(self, name: str, stage: int, mb: _MicroBatch) -> torch.Tensor | None:
-        """This rank's producer value of ``name`` for a consumer in ``stage``; a value made by an
-        earlier stage is cut from its graph (that stage's backward gets its gradient later)."""
-        value = mb.env.get(name)
-        made = mb.made_in.get(name)
-        if value is None or made is None or made == stage:
-            return value
-        detached = value.detach().requires_grad_(value.requires_grad)
-        mb.bridges.setdefault(stage, []).append((value, detached, made))
-        return detached
-
-    def _run_checkpointed(self, ops: list, stage: int, k: int, mb: _MicroBatch) -> None:
-        """Run ``ops`` keeping none of their activations: backward recomputes them."""
-        if all(self.my_parts[op.name] is None for op in ops):
-            for op in ops:
-                self._run_op(op, stage, k, mb)
-            return
-        inside = {x for op in ops for x in op.outputs}
-        used_after = self.layout.used_outside(ops, inside)
-        outer = [n for n in dict.fromkeys(x for op in ops for x in op.inputs)
-                 if n not in inside and n in mb.env]
-
-        def segment(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            scratch = _MicroBatch(mb.inputs, dict(zip(outer, values)), dict.fromkeys(outer, stage))
-            for op in ops:
-                self._run_op(op, stage, k, scratch)
-            scratch.roots.pop(stage, None)
-            return tuple(scratch.env[n] for n in used_after if n in scratch.env)
-
-        values = [self._value(n, stage, mb) for n in outer]  # cut where an earlier stage made it
-        results = checkpoint(segment, *values, use_reentrant=False)
-        present = [n for n in used_after if self.my_parts[self.layout.producer[n]] is not None]
-        mb.env.update(zip(present, results, strict=True))
-        mb.made_in.update((n, stage) for n in present)
-        if self.graph.output in present:
-            mb.loss = mb.env[self.graph.output]
-            mb.roots.setdefault(stage, []).append((mb.loss, None))
-
-    # ------------------------------------------------------------------ one step
-    def forward(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, list]:
-        """This rank's local loss part (None without one) and the tokens backward must visit
-        (a plan of one stage and one micro-batch)."""
-        self.begin(batch)
-        self.forward_unit(0, 0)
-        mb = self._mbs[0]
-        tokens = [t for t, _ in mb.roots.get(0, []) if t is not mb.loss]
-        return mb.loss, tokens
-
-    def _source(self, name: str, op: str, slot: int, inputs: Mapping[str, torch.Tensor]
-                ) -> torch.Tensor:
-        use = self.m.sources[(name, op, slot, self.rank)]
-        if name in inputs:
-            return use.region.slice_of(inputs[name])
-        if name in self.graph.params:
-            leaf = self.state.leaves[(name, use.region)]
-            return scale_grad(leaf, use.scale)
-        return self.state.fixed[(name, use.region)]
-
+    # -- one step ---------------------------------------------------------------------------------
     def step(self, step: int, batch_size: int | None) -> float:
         """One training step on the model file's batch ``step``; the loss of the whole batch."""
         inputs, target = self.mf.get_batch(step, batch_size)
         return self.train_batch((*inputs, target))
 
     def train_batch(self, batch: tuple[torch.Tensor, ...]) -> float:
-        """Forward, backward, gradient reduction and optimizer step on the whole (global) batch
-        ``(*inputs, target)``, the same on every rank; returns its loss (same on every rank)."""
-        batch = tuple(to_dtype(tuple(batch), self.dtype))
+        """The whole program on the global batch ``(*inputs, target)``, the same on every rank:
+        forward, backward, gradient buckets, optimizer step; returns the batch's loss."""
         self.opt.zero_grad(set_to_none=True)
-        if self.pipelined:
-            self.begin(batch)
-            for unit in self.program:
-                self.run_unit(unit)
-            losses = [mb.loss for mb in self._mbs.values() if mb.loss is not None]
-        else:
-            loss, tokens = self.forward(batch)
-            roots = ([loss] if loss is not None else []) + tokens
-            if roots:
-                torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
-            losses = [loss] if loss is not None else []
-        wait_sends()
-        self._mbs = {}
-        grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v))
-                 for k, v in self.state.leaves.items()}
-        for k, v in self.state.leaves.items():
-            v.grad = grads[k]
-        reduce_gradients(self.m.reducer, self.rank, grads, groups=self.groups)
-        self.opt.step()
-        return self._total_loss(losses)
+        self.begin(batch)
+        for _ in walk(self.program, self.runner):
+            raise RuntimeError("a distributed runner never waits")
+        self.runner.env, self.runner.grads = {}, {}
+        return self.runner.loss_total
 
-    def _total_loss(self, losses: list[torch.Tensor]) -> float:
-        """Sum of the distinct value parts of the loss (one representative per replica set)."""
-        part = self._loss_part
-        mine = 0.0
-        if part is not None and not any(part.replica_index):
-            mine = float(sum(float(x.detach()) for x in losses))
-        total = torch.tensor([mine], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(total)
-        return float(total.item())
-
-    # ------------------------------------------------------------------ results
+    # -- results ---------------------------------------------------------------------------------
     def shards(self) -> list[tuple[str, Region, torch.Tensor]]:
         """This rank's parameter shards as (qualified name, region, values)."""
         return [(self.graph.params[name], region, t.detach().cpu().clone())
                 for (name, region), t in self.state.leaves.items()]
-
-
-def _passthrough(adapter, rank: int) -> bool:
-    """Whether ``adapter`` only hands this rank's own tensor to itself (no step either way)."""
-    if adapter.steps or (adapter.backward is not None and adapter.backward.steps):
-        return False
-    mine = [r for d, r in adapter.producers if d == rank]
-    wanted = [r for d, r in adapter.consumers if d == rank]
-    return len(mine) == 1 and mine == wanted
 
 
 def _call(target: str, args: tuple, kwargs: dict) -> Any:

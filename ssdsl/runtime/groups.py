@@ -47,6 +47,8 @@ class ProcessGroups:
 
     def get(self, members: Iterable[int]) -> object:
         key = tuple(sorted(members))
+        if key not in self._groups and key == tuple(range(dist.get_world_size())):
+            return None  # the default group
         if key not in self._groups:
             raise KeyError(f"process group {key} was not created up front (ProcessGroups.create)")
         return self._groups[key]

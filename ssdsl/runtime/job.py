@@ -8,12 +8,14 @@ Every rank derives the same plan from the same inputs, so nothing but tensors cr
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-from ssdsl.check import check_schedule
+from ssdsl.check import check_programs, check_schedule
+from ssdsl.lower import lower_plan
 from ssdsl.elaborate import elaborate_file
 from ssdsl.materialize.program import Materialized, materialize
 from ssdsl.runtime import dist as sdist
@@ -48,19 +50,30 @@ class JobSpec:
     lr: float | None = None
     resume: str | None = None        # a checkpoint directory or a state-dict file to start from
     checkpoint: str | None = None    # a directory to write this run's sharded checkpoint into
+    # a folder of files `ssdsl compile` wrote: each rank runs its rank<N>.py
+    compiled: str | None = None
 
 
 def plan_job(spec: JobSpec, world: int, *, model_file: Any = None
              ) -> tuple[Any, Materialized, torch.nn.Module]:
     """Model file, materialized plan and the seeded full model (CPU), as every rank builds them.
-    ``model_file``: an already loaded ``ModelFile`` (the API's module), else ``spec.model``'s."""
+    ``model_file``: an already loaded ``ModelFile`` (the API's module), else ``spec.model``'s.
+
+    With ``spec.compiled`` the graph is traced on the meta device, as ``ssdsl compile`` traces
+    it, so that the plan is the one the files were written from."""
     mf = model_file if model_file is not None else load_model_file(spec.model)
     dtype = DTYPES[spec.dtype]
     model = mf.build(seed=spec.seed).to(dtype=dtype)
-    graph = trace(mf, device="cpu", batch_size=spec.batch_size, model=model)
+    if spec.compiled is not None:
+        _check_compiled(spec.compiled, world)
+        graph = trace(mf, device="meta", batch_size=spec.batch_size)
+    else:
+        graph = trace(mf, device="cpu", batch_size=spec.batch_size, model=model)
     plan = elaborate_file(spec.plan, world=world, sets=dict(spec.sets))
     t, lowered = schedule_plan(graph, plan)
-    return mf, materialize(t, dtype=dtype, schedule=lowered), model
+    m = materialize(t, dtype=dtype, schedule=lowered)
+    check_programs(lower_plan(m).programs, m=m)  # what every rank will run, before it runs
+    return mf, m, model
 
 
 def schedule_plan(graph: Any, plan: Any) -> tuple[Transformed, Lowered | None]:
@@ -70,6 +83,30 @@ def schedule_plan(graph: Any, plan: Any) -> tuple[Transformed, Lowered | None]:
         check_schedule(lowered.schedule)
         _refuse_split_backward(lowered)
     return t, lowered
+
+
+class CompiledFilesMissing(SsdslError):
+    """``--compiled DIR`` lacks the file of a rank."""
+
+
+def _check_compiled(folder: str, world: int) -> None:
+    missing = [f"rank{r}.py" for r in range(world) if not (Path(folder) / f"rank{r}.py").is_file()]
+    if missing:
+        raise CompiledFilesMissing(f"--compiled {folder}: no {', '.join(missing[:3])}",
+                                   hint=f"compile with `ssdsl compile MODEL PLAN --world {world} "
+                                   f"-o {folder}`")
+
+
+def _rank_program(spec: JobSpec, m: Materialized, rank: int, mf: Any, model: torch.nn.Module,
+                  groups: Any) -> RankProgram:
+    """The interpreter of this rank's program, or its compiled file (``spec.compiled``)."""
+    kwargs = dict(dtype=DTYPES[spec.dtype], optimizer=OptimizerSpec(spec.optimizer, spec.lr),
+                  groups=groups)
+    if spec.compiled is None:
+        return RankProgram(m, rank, mf, model, **kwargs)
+    from ssdsl.runtime.compiled import GeneratedRankProgram, load_program_file
+    module = load_program_file(Path(spec.compiled) / f"rank{rank}.py")
+    return GeneratedRankProgram(m, rank, mf, model, module=module, **kwargs)
 
 
 class SplitBackwardNotRun(SsdslError):
@@ -97,9 +134,7 @@ def rank_main(spec: JobSpec) -> dict[str, Any] | None:
         mf, m, model = plan_job(spec, ctx.world_size)
         report_event(Phase("building this rank's shards"))
         groups = create_groups(m)
-        dtype = DTYPES[spec.dtype]
-        prog = RankProgram(m, ctx.rank, mf, model, dtype=dtype,
-                           optimizer=OptimizerSpec(spec.optimizer, spec.lr), groups=groups)
+        prog = _rank_program(spec, m, ctx.rank, mf, model, groups)
         state_keys = list(model.state_dict())
         del model  # this rank keeps only its shards
         start = ckpt.resume_program(prog, spec.resume) if spec.resume else 0

@@ -19,6 +19,7 @@ from ssdsl.errors import SsdslError
 from ssdsl.ir.graph import Graph, Op, TensorInfo, TensorRef
 from ssdsl.trace.dims import flow_names
 from ssdsl.trace.model_file import ModelFile
+from ssdsl.trace.trial import quiet_torch_logs, try_training_step
 
 # Short kind names for selectors, where the ATen name is long.
 KIND_NAMES = {"scaled_dot_product_attention": "sdpa", "cross_entropy_loss": "cross_entropy",
@@ -54,10 +55,14 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
     if model is None:
         with torch.device(device):
             model = model_file.build(seed=seed)
+        if device == "meta":  # what a rank would hit, reported here at the model file's line
+            try_training_step(model_file, model, (inputs, target))
     dev = _device_of(model, device)
     batch = tuple(t.to(dev) for t in (*inputs, target))
     try:
-        ep = torch.export.export(_TrainingForward(model, model_file.loss), batch, strict=False)
+        with quiet_torch_logs():
+            ep = torch.export.export(_TrainingForward(model, model_file.loss), batch,
+                                     strict=False)
     except SsdslError:
         raise
     except Exception as exc:

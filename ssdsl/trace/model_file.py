@@ -30,10 +30,73 @@ import torch
 import torch.nn.functional as F
 
 from ssdsl.errors import SsdslError
+from ssdsl.source import Span, remember_source, source_text
 
 
 class ModelFileError(SsdslError):
     """The model file is missing, does not import, or breaks the contract."""
+
+
+class ModelFileSyntaxError(ModelFileError):
+    """The model file is not valid Python."""
+
+
+class ModelFileExit(ModelFileError):
+    """The model file called ``sys.exit`` (or raised ``SystemExit``) while being imported."""
+
+
+class ModelFileRaised(ModelFileError):
+    """The model file's code raised an exception (at import, or in one of its functions)."""
+
+
+class ModelFileContract(ModelFileError):
+    """A contract function is missing, or returns something of the wrong kind."""
+
+
+def locate_in(path: str, exc: BaseException) -> Span | None:
+    """The line of the model file where ``exc`` was raised (the deepest frame in that file)."""
+    target = str(Path(path).resolve())
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        try:
+            same = str(Path(frame.filename).resolve()) == target
+        except OSError:  # pragma: no cover - a frame of a file that vanished
+            same = False
+        if same and frame.lineno:
+            found = frame
+    if found is None:
+        return None
+    return line_span(path, found.lineno, found.colno)
+
+
+def def_span(path: str, fn: Any) -> Span | None:
+    """The ``def`` line of function ``fn`` when it is defined in the model file at ``path``."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+    if code is None:
+        return None
+    try:
+        same = Path(code.co_filename).resolve() == Path(path).resolve()
+    except OSError:  # pragma: no cover
+        same = False
+    return line_span(path, code.co_firstlineno, None) if same else None
+
+
+def line_span(path: str, line: int, column: int | None) -> Span:
+    """A span on ``line`` of the model file (the column given 0-based, as Python's frames give
+    it; else the first non-blank character), with the file's text remembered for the excerpt."""
+    text = source_text(path)
+    if text is None:
+        try:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            text = ""
+        remember_source(path, text)
+    lines = text.splitlines()
+    src = lines[line - 1] if 0 < line <= len(lines) else ""
+    if column is None:
+        column = len(src) - len(src.lstrip())
+    width = max(1, len(src.rstrip()) - column)
+    return Span.point(path, line, column + 1, width)
 
 
 def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -65,18 +128,29 @@ class ModelFile:
         try:
             result = self.get_batch_fn(step, bs)
         except Exception as exc:
-            raise ModelFileError(f"get_batch({step}, {bs}) raised {_describe(exc)}",
-                                 file=self.path) from exc
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise ModelFileError("get_batch(step, batch_size) must return a pair (inputs, target); "
-                                 f"it returned {type(result).__name__}", file=self.path)
+            raise ModelFileRaised(f"get_batch({step}, {bs}) raised {_describe(exc)}",
+                                  locate_in(self.path, exc), file=self.path) from exc
+        where = def_span(self.path, self.get_batch_fn)
+        if not (isinstance(result, (tuple, list)) and len(result) == 2):
+            raise ModelFileContract("get_batch(step, batch_size) must return a pair (inputs, "
+                                    f"target); it returned {_kind(result)}", where, file=self.path)
         inputs, target = result
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else \
+            tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-            raise ModelFileError("get_batch: inputs must be a Tensor or a tuple of Tensors",
-                                 file=self.path)
+            raise ModelFileContract("get_batch: inputs must be a Tensor or a tuple of Tensors; "
+                                    f"got {_kind(result[0])}", where, file=self.path)
         if not isinstance(target, torch.Tensor):
-            raise ModelFileError("get_batch: target must be a Tensor", file=self.path)
+            raise ModelFileContract(f"get_batch: target must be a Tensor; got {_kind(target)}",
+                                    where, file=self.path)
+        if any(t.dim() == 0 for t in (*inputs, target)):
+            raise ModelFileContract("get_batch: every input and the target need a batch dim "
+                                    "(dim 0); got a 0-dim tensor", where, file=self.path)
+        if any(t.shape[0] != bs for t in (*inputs, target)):
+            shapes = ", ".join(str(tuple(t.shape)) for t in (*inputs, target))
+            raise ModelFileContract(f"get_batch({step}, {bs}): dim 0 of every input and of the "
+                                    f"target must be the batch size {bs}; shapes: {shapes}",
+                                    where, file=self.path)
         return inputs, target
 
     def build(self, *, seed: int = 0) -> torch.nn.Module:
@@ -85,17 +159,35 @@ class ModelFile:
         try:
             model = self.build_model()
         except Exception as exc:
-            raise ModelFileError(f"build_model() raised {_describe(exc)}", file=self.path) from exc
+            raise ModelFileRaised(f"build_model() raised {_describe(exc)}",
+                                  locate_in(self.path, exc), file=self.path) from exc
         if not isinstance(model, torch.nn.Module):
-            raise ModelFileError("build_model() must return a torch.nn.Module; it returned "
-                                 f"{type(model).__name__}", file=self.path)
+            raise ModelFileContract("build_model() must return a torch.nn.Module; it returned "
+                                    f"{_kind(model)}", def_span(self.path, self.build_model),
+                                    file=self.path)
         return model
 
 
 def _describe(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > 300:
+        first = first[:300] + "..."
+    return f"{type(exc).__name__}: {first}{where}"
+
+
+def _kind(value: Any) -> str:
+    """How a message names a returned value: its type, with what helps (shape, length, keys)."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, dict):
+        keys = ", ".join(map(repr, list(value)[:5]))
+        return f"a dict (keys {keys})"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 _CACHE: dict[Path, ModelFile] = {}
@@ -119,27 +211,46 @@ def load_model_file(path: str | Path) -> ModelFile:
     try:
         spec.loader.exec_module(module)
     except SyntaxError as exc:
-        raise ModelFileError(f"syntax error at line {exc.lineno}: {exc.msg}", file=str(path)) from exc
+        sys.modules.pop(name, None)
+        raise _syntax_error(str(path), exc) from None
+    except SystemExit as exc:
+        sys.modules.pop(name, None)
+        raise ModelFileExit(f"the model file exits while being imported (sys.exit({exc.code!r}))",
+                            locate_in(str(path), exc), file=str(path),
+                            hint="a model file is imported, not run: put script code under "
+                                 "`if __name__ == \"__main__\":`") from None
     except Exception as exc:
-        raise ModelFileError(f"importing the model file raised {_describe(exc)}",
-                             file=str(path)) from exc
+        sys.modules.pop(name, None)
+        raise ModelFileRaised(f"importing the model file raised {_describe(exc)}",
+                              locate_in(str(path), exc), file=str(path)) from exc
     _CACHE[key] = mf = _check(module, str(path))
     return mf
+
+
+def _syntax_error(path: str, exc: SyntaxError) -> ModelFileSyntaxError:
+    """A Python syntax error of the model file at its line and column, with a caret."""
+    line = exc.lineno or 1
+    span = line_span(path, line, None)
+    if exc.offset:
+        end = exc.end_offset if exc.end_lineno == exc.lineno and exc.end_offset else exc.offset + 1
+        span = Span.point(path, line, exc.offset, max(1, end - exc.offset))
+    return ModelFileSyntaxError(f"Python syntax error: {exc.msg}", span, file=path)
 
 
 def _check(module: Any, path: str) -> ModelFile:
     missing = [n for n in ("build_model", "get_batch") if not callable(getattr(module, n, None))]
     if missing:
-        raise ModelFileError(f"missing function{'s' if len(missing) > 1 else ''} "
+        raise ModelFileContract(f"missing function{'s' if len(missing) > 1 else ''} "
                              f"{', '.join(missing)}", file=path,
                              hint="a model file defines build_model() -> nn.Module and "
                              "get_batch(step, batch_size) -> (inputs, target); see the README")
     for opt in ("loss", "make_optimizer"):
         if hasattr(module, opt) and not callable(getattr(module, opt)):
-            raise ModelFileError(f"'{opt}' must be a function", file=path)
+            raise ModelFileContract(f"'{opt}' must be a function", file=path)
     batch_size = getattr(module, "BATCH_SIZE", 8)
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ModelFileError(f"BATCH_SIZE must be a positive int, not {batch_size!r}", file=path)
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ModelFileContract(f"BATCH_SIZE must be a positive int, not {batch_size!r}",
+                                file=path)
     return ModelFile(
         path=path,
         build_model=module.build_model,
@@ -159,6 +270,6 @@ def _input_dims(value: Any, path: str) -> tuple[tuple[str, ...], ...] | None:
         isinstance(d, Sequence) and not isinstance(d, str) and all(isinstance(n, str) for n in d)
         for d in value)
     if not ok:
-        raise ModelFileError("INPUT_DIMS must be a tuple with, for each input, a tuple of "
+        raise ModelFileContract("INPUT_DIMS must be a tuple with, for each input, a tuple of "
                              "dimension names, e.g. ((\"batch\", \"seq\"),)", file=path)
     return tuple(tuple(d) for d in value)

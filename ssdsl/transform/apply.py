@@ -12,7 +12,8 @@ from ssdsl.ir.graph import Graph
 from ssdsl.ops import Annotation, NotAnnotated, NotAnnotatedError, annotate, call_of, require
 from ssdsl.source import Span
 from ssdsl.transform.errors import (
-    BadDevice, EmptySelection, UnsupportedDirective, MissingDim, PartCountMismatch, UnplacedPart,
+    BadDevice, EmptySelection, UnsupportedDirective, MissingDim, PartCountMismatch,
+    PartReassigned, UnplacedPart,
 )
 from ssdsl.transform.parts import Part, Transformed, row_major, split_ranges, whole_part
 from ssdsl.transform.select import part_prefix, select_ops
@@ -178,6 +179,7 @@ class _Builder:
                     hint="partition or replicate it into as many parts as devices")
             devices = {p.index: dev for p, dev in zip(row_major(chosen), d.devices)} \
                 if len(d.devices) > 1 else {p.index: d.devices[0] for p in chosen}
+            _refuse_moves(name, chosen, devices, d)
             self.parts[name] = [attrs.evolve(p, device=devices[p.index], assigned_at=d.span)
                                 if p.index in devices else p for p in self.parts[name]]
             placed += len(chosen)
@@ -189,6 +191,19 @@ class _Builder:
     def result(self, deferred: tuple) -> Transformed:
         return Transformed(self.graph, {k: tuple(row_major(v)) for k, v in self.parts.items()},
                            self.anns, self.world, deferred, tuple(self.notes))
+
+
+def _refuse_moves(name: str, chosen: Sequence[Part], devices: dict, d: Assign) -> None:
+    """A part already on another device is an error at the second assign: a later assign
+    silently winning would hide a plan mistake (assigning it again to the same device is fine)."""
+    for p in chosen:
+        if p.device is not None and p.device != devices[p.index]:
+            first = f"the first assign is at {p.assigned_at}; " if p.assigned_at else ""
+            raise PartReassigned(
+                f"part {list(p.index)} of operator '{name}' is already on device {p.device}; "
+                f"this assigns it to device {devices[p.index]}", d.span,
+                hint=f"{first}assign each part once (narrow a selector with `except` or "
+                     "`part i of`)")
 
 
 def _indivisible(op, label: str, size: int, n: int, span: Span, ann=None) -> SsdslError:

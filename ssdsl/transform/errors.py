@@ -35,3 +35,7 @@ class UnsupportedSelector(TransformError):
 
 class UnsupportedDirective(TransformError):
     """A statement the language accepts but this version cannot apply to a model yet."""
+
+
+class PartReassigned(TransformError):
+    """A part assigned to one device and later to another."""

@@ -1,0 +1,244 @@
+"""Checking the lowered per-rank programs themselves: what is checked is what runs.
+
+``check_programs`` reads only the instructions (and, given the materialized plan, the schedule
+and buckets they were lowered from):
+
+1. *Structure* of each rank's program: units open and close in turn, each at most once, a
+   backward after its forward, in the order the plan's ``order`` statements gave; recomputed
+   regions close and contain no communication; the step ends with its buckets, the loss sum and
+   one optimizer step.
+2. *Data*: every value an instruction reads was defined earlier on that rank and not freed;
+   a backward ``Comm`` follows its forward.
+3. *Communication*: every rank's walk runs in this process with abstract payloads
+   (``ssdsl.lower.walk.run_all``): every send meets exactly one receive of the same tag and
+   shape, every collective is issued by all members of its group in the same order, and the
+   ranks cannot deadlock (sends never block; a collective is a meeting point of its group).
+
+Every error names the plan line behind the offending instruction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ssdsl.lower import Handler, Program, Wait, run_all, walk
+from ssdsl.lower.build import unit_order
+from ssdsl.lower.instr import Coll, P2P, reads, writes
+from ssdsl.lower.walk import (CollectiveMismatch, Exchange, MessageMismatch, ProgramDeadlock,
+                              ProgramError, UnmatchedSend)
+from ssdsl.source import Span
+
+
+class BadUnitStructure(ProgramError):
+    """Units that do not open and close in turn, repeat, or run a backward before its forward."""
+
+
+class OrderNotFollowed(ProgramError):
+    """A rank's units run in another order than the plan's schedule says."""
+
+
+class UndefinedValue(ProgramError):
+    """An instruction reads a value that no earlier instruction of its rank defined (or that was
+    freed)."""
+
+
+class RecomputeCommunicates(ProgramError):
+    """A recomputed region contains communication (recomputing would communicate twice)."""
+
+
+class BadStepTail(ProgramError):
+    """The step does not end with its gradient buckets, the loss sum and one optimizer step."""
+
+
+__all__ = ["BadStepTail", "BadUnitStructure", "CollectiveMismatch", "MessageMismatch",
+           "OrderNotFollowed", "ProgramDeadlock", "ProgramError", "RecomputeCommunicates",
+           "UndefinedValue", "UnmatchedSend", "check_programs"]
+
+
+def check_programs(programs: Sequence[Program], *, m: Any = None) -> None:
+    """Raise the first fault of ``programs`` (one per rank) as a ``ProgramError`` at its plan
+    line; with ``m`` (the ``Materialized`` they come from) also check the unit order against
+    its schedule and the buckets against its reducer."""
+    programs = tuple(programs)
+    try:
+        for p in programs:
+            _structure(p, m)
+            _data(p)
+        _communication(programs)
+    except ProgramError as err:
+        if err.span is None:
+            err.span = _any_span(programs)
+        raise
+
+
+def _any_span(programs: Sequence[Program]) -> Span | None:
+    for p in programs:
+        for ins in p.instructions:
+            if getattr(ins, "span", None) is not None:
+                return ins.span
+    return None
+
+
+def _near(p: Program, i: int) -> Span | None:
+    """The span of instruction ``i``, else of the nearest instruction before or after it."""
+    for j in [*range(i, -1, -1), *range(i + 1, len(p.instructions))]:
+        span = getattr(p.instructions[j], "span", None)
+        if span is not None:
+            return span
+    return None
+
+
+# -- 1. structure --------------------------------------------------------------------------------
+
+
+def _structure(p: Program, m: Any) -> None:
+    open_unit: str | None = None
+    seen: set[str] = set()
+    region = False
+    units: list[tuple[str, int]] = []
+    tail = False
+    steps = 0
+    for i, ins in enumerate(p.instructions):
+        k = ins.kind
+        where = f"rank {p.rank}"
+        if k == "begin":
+            if open_unit is not None or ins.unit in seen:
+                what = "runs twice" if ins.unit in seen else f"starts inside unit {open_unit}"
+                raise BadUnitStructure(f"{where}: unit {ins.unit} {what}", _near(p, i))
+            if "B" in ins.unit and ins.unit.replace("B", "F") not in seen:
+                raise BadUnitStructure(f"{where}: unit {ins.unit} runs before its forward "
+                                       f"{ins.unit.replace('B', 'F')}", _near(p, i))
+            if tail:
+                raise BadStepTail(f"{where}: unit {ins.unit} runs after the optimizer step "
+                                  "or the gradient buckets", _near(p, i))
+            open_unit = ins.unit
+            seen.add(ins.unit)
+            units.append((ins.unit, i))
+        elif k == "end":
+            if open_unit != ins.unit:
+                raise BadUnitStructure(f"{where}: end of unit {ins.unit} while "
+                                       f"{open_unit or 'no unit'} is open", _near(p, i))
+            if region:
+                raise RecomputeCommunicates(f"{where}: a recomputed region is still open at "
+                                            f"the end of unit {ins.unit}", _near(p, i))
+            open_unit = None
+        elif k == "recompute":
+            region = True
+        elif k == "end_recompute":
+            region = False
+        elif k in ("comm", "backward", "reduce", "loss_sum", "step", "wait_sends") and region:
+            raise RecomputeCommunicates(
+                f"{where}: a recomputed region holds a {k} instruction: recomputing it in "
+                "backward would run it twice", _near(p, i),
+                hint="recompute only operators between two communication points")
+        elif k in ("reduce", "loss_sum", "wait_sends", "step"):
+            if open_unit is not None:
+                raise BadStepTail(f"{where}: {k} inside unit {open_unit}", _near(p, i))
+            tail = True
+            steps += k == "step"
+        elif k not in ("wait_sends",) and open_unit is None and k not in ("free",):
+            raise BadUnitStructure(f"{where}: a {k} instruction outside every unit",
+                                   _near(p, i))
+    if open_unit is not None:
+        raise BadUnitStructure(f"rank {p.rank}: unit {open_unit} never ends",
+                               _near(p, len(p.instructions) - 1))
+    last = p.instructions[-1] if p.instructions else None
+    if steps != 1 or last is None or last.kind != "step":
+        raise BadStepTail(f"rank {p.rank}: the step must end with exactly one optimizer step "
+                          f"(found {steps})", _near(p, len(p.instructions) - 1))
+    if not any(ins.kind == "loss_sum" for ins in p.instructions):
+        raise BadStepTail(f"rank {p.rank}: no loss sum", _near(p, len(p.instructions) - 1))
+    if m is not None:
+        _order(p, m, units)
+        _buckets(p, m)
+
+
+def _order(p: Program, m: Any, units: list[tuple[str, int]]) -> None:
+    want = unit_order(m, p.rank)
+    got = [u for u, _ in units]
+    for k, (unit, span) in enumerate(want):
+        if k >= len(got):
+            raise OrderNotFollowed(f"rank {p.rank} never runs unit {unit}", span or _near(p, 0))
+        if got[k] != unit:
+            i = units[k][1]
+            raise OrderNotFollowed(f"rank {p.rank} runs unit {got[k]} where the plan's order "
+                                   f"puts {unit}", span or _near(p, i))
+    if len(got) > len(want):
+        i = units[len(want)][1]
+        raise OrderNotFollowed(f"rank {p.rank} runs unit {got[len(want)]}, which the plan's "
+                               "order does not give it", _near(p, i))
+
+
+def _buckets(p: Program, m: Any) -> None:
+    want = [i for i, b in enumerate(m.reducer.buckets) if p.rank in b.devices]
+    got = [(i, ins) for i, ins in enumerate(p.instructions) if ins.kind == "reduce"]
+    have = [ins.bucket for _, ins in got]
+    if sorted(have) != want:
+        missing = sorted(set(want) - set(have))
+        raise BadStepTail(f"rank {p.rank} reduces gradient buckets {have}, the plan needs "
+                          f"{want}" + (f" (bucket {missing[0]} is missing)" if missing else ""),
+                          _near(p, got[0][0] if got else len(p.instructions) - 1))
+
+
+# -- 2. data ---------------------------------------------------------------------------------------
+
+
+def _data(p: Program) -> None:
+    defined: set[str] = set()
+    for i, ins in enumerate(p.instructions):
+        needed = list(reads(ins))
+        if ins.kind == "comm" and ins.backward:
+            needed += list(ins.ins) + list(ins.outs)
+        for v in needed:
+            if v not in defined:
+                raise UndefinedValue(f"rank {p.rank}: a {ins.kind} instruction reads '{v}', "
+                                     "which is not defined before it (or was freed)",
+                                     _near(p, i),
+                                     hint="a unit runs before the data it needs")
+        defined.update(writes(ins))
+        if ins.kind == "free":
+            defined.difference_update(ins.values)
+
+
+# -- 3. communication ----------------------------------------------------------------------------
+
+
+class _Abstract(Handler):
+    """A rank's communication without tensors: shapes only."""
+
+    def __init__(self, rank: int, exchange: Exchange) -> None:
+        self.rank, self.exchange = rank, exchange
+
+    def visit(self, ins: Any) -> Iterator[Wait] | None:
+        k = ins.kind
+        if k == "comm":
+            return self._comm(ins)
+        if k == "reduce":
+            return self._meet(Coll("all_reduce", ins.group), ins, ("reduce", ins.bucket))
+        if k == "loss_sum":
+            return self._meet(Coll("all_reduce", ins.group), ins, ("loss",))
+        return None
+
+    def _meet(self, coll: Coll, ins: Any, ident: tuple) -> Iterator[Wait]:
+        if coll.meets or self.rank not in coll.group:
+            yield Wait(self.rank, coll, ins, ident)
+
+    def _comm(self, ins: Any) -> Iterator[Wait]:
+        ident = ("comm", ins.edge, ins.mb, ins.backward)
+        for step in ins.steps:
+            if isinstance(step, Coll):
+                yield from self._meet(step, ins, ident)
+            elif isinstance(step, P2P):
+                for msg in step.msgs:
+                    if msg.kind == "send":
+                        self.exchange.send(self.rank, msg, ins,
+                                           shape=msg.region.local_shape)
+                for msg in step.msgs:
+                    if msg.kind == "recv":
+                        yield Wait(self.rank, msg, ins, shape=msg.region.local_shape)
+
+
+def _communication(programs: Sequence[Program]) -> None:
+    exchange = Exchange()
+    run_all({p.rank: walk(p, _Abstract(p.rank, exchange)) for p in programs}, exchange)

@@ -1,0 +1,95 @@
+"""Time of collectives and point-to-point messages by the alpha-beta model.
+
+A message of ``n`` bytes over a link costs ``alpha + n / beta`` (latency plus bytes over the
+link's bandwidth). For a group of ``p`` devices, each holding ``n`` bytes (the buffer a member
+passes to the call), the bandwidth-optimal ring algorithms take ``p - 1`` (``2 (p - 1)`` for an
+all-reduce) steps that each move ``n / p`` bytes per member::
+
+    all-reduce      ring: 2 (p-1) (alpha + n / (p beta))     tree: 2 log2(p) (alpha + n / beta)
+    all-gather      (p-1) (alpha + n / beta)                 (n: the piece each member holds)
+    reduce-scatter  (p-1) (alpha + n / (p beta))
+    all-to-all      (p-1) (alpha + n / (p beta))
+    send/recv       alpha + n / beta
+
+An all-reduce takes the faster of ring and tree, as NCCL chooses by size. The link is the slowest
+one the ring crosses: NVLink (``intra``) when every member is on one node, else the network
+(``inter``), whose bandwidth a node shares among the rings that leave it at the same time
+(``sharing``).
+
+Example::
+
+    >>> link = Link(alpha=1e-5, beta=1e11)
+    >>> round(all_reduce_time(4, 1e9, link, algorithm="ring") * 1e3, 3)
+    15.06
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import attrs
+
+from ssdsl.cost.profiles import Cluster, DeviceProfile
+
+
+@attrs.frozen
+class Link:
+    """Latency ``alpha`` (s) and bandwidth ``beta`` (bytes/s) of one hop."""
+
+    alpha: float
+    beta: float
+
+
+def link_for(devices: Iterable[int], profile: DeviceProfile, cluster: Cluster, *,
+             sharing: int = 1) -> Link:
+    """The link a collective over ``devices`` runs at (see the module doc)."""
+    if len(cluster.nodes_of(devices)) <= 1:
+        return Link(profile.intra_latency, profile.intra_bw)
+    return Link(profile.inter_latency, profile.inter_bw / max(1, sharing))
+
+
+def all_reduce_time(p: int, n: float, link: Link, *, algorithm: str = "auto") -> float:
+    """All-reduce of ``n`` bytes per member over ``p`` members."""
+    if p <= 1 or n <= 0:
+        return 0.0
+    ring = 2 * (p - 1) * (link.alpha + n / (p * link.beta))
+    tree = 2 * math.ceil(math.log2(p)) * (link.alpha + n / link.beta)
+    if algorithm == "ring":
+        return ring
+    if algorithm == "tree":
+        return tree
+    return min(ring, tree)
+
+
+def all_gather_time(p: int, n: float, link: Link) -> float:
+    """All-gather where each of ``p`` members contributes ``n`` bytes."""
+    return 0.0 if p <= 1 or n <= 0 else (p - 1) * (link.alpha + n / link.beta)
+
+
+def reduce_scatter_time(p: int, n: float, link: Link) -> float:
+    """Reduce-scatter of ``n`` bytes per member; each keeps ``n / p``."""
+    return 0.0 if p <= 1 or n <= 0 else (p - 1) * (link.alpha + n / (p * link.beta))
+
+
+def all_to_all_time(p: int, n: float, link: Link) -> float:
+    """All-to-all of ``n`` bytes per member, ``n / p`` to each other member."""
+    return 0.0 if p <= 1 or n <= 0 else (p - 1) * (link.alpha + n / (p * link.beta))
+
+
+def p2p_time(n: float, link: Link) -> float:
+    """One message of ``n`` bytes."""
+    return 0.0 if n <= 0 else link.alpha + n / link.beta
+
+
+def collective_time(kind: str, p: int, n: float, link: Link) -> float:
+    """Time of collective ``kind`` (the names of ``ssdsl.materialize.steps``) per the table."""
+    if kind == "all_reduce":
+        return all_reduce_time(p, n, link)
+    if kind == "all_gather":
+        return all_gather_time(p, n, link)
+    if kind == "reduce_scatter":
+        return reduce_scatter_time(p, n, link)
+    if kind == "all_to_all":
+        return all_to_all_time(p, n, link)
+    return 0.0  # chunk, zero_split: local

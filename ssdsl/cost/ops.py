@@ -1,0 +1,185 @@
+"""Work of one part of one operator: FLOPs and bytes moved, forward and backward.
+
+The rules read the operator's annotation (its labels and their sizes, narrowed to the part's
+ranges) and the regions the part reads and writes; one rule per operator family, registered by
+ATen name with ``@cost_rule`` as annotations are with ``ssdsl.ops.register``:
+
+- *matmul-like* (linear, matmul, mm, bmm, addmm, baddbmm, einsum): ``2 * prod(label sizes)``, the
+  textbook ``2 M N K`` with batch dims; backward twice the forward (the input and the weight
+  gradient are one product each);
+- *convolution*: the same over ``(N, Co, Ci/groups, output positions, kernel)``; backward twice;
+- *attention* (sdpa): its two products, ``2 B H L S (E + Ev)``; backward twice, plus one more
+  ``Q K^T`` where a fused kernel recomputes the scores (``DeviceProfile.flash_attention``);
+  without a fused kernel the ``B H L S`` score matrix is written and read (bytes);
+- *views* (view, reshape, transpose, permute, split, expand, select, slice, ...): no work;
+- everything else (elementwise, normalization, softmax, reductions, embedding, losses, copies):
+  memory-bound, the bytes of the part's inputs and outputs, a few FLOPs per output element;
+  backward reads the output gradient and what was saved and writes the input gradient: twice the
+  forward bytes.
+
+``saved`` is the activation bytes a part keeps for backward beyond its inputs (the score matrix
+of an unfused attention, the log-probabilities of a cross-entropy).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import attrs
+
+from ssdsl.ir.graph import Graph, Op
+from ssdsl.ops import Annotation
+from ssdsl.transform.parts import Part
+
+VIEW_KINDS = frozenset({
+    "view", "reshape", "_unsafe_view", "flatten", "unflatten", "unsqueeze", "squeeze",
+    "permute", "transpose", "t", "split", "chunk", "split_with_sizes", "unbind", "select",
+    "slice", "expand", "alias", "detach", "lift_fresh_copy", "as_strided", "view_as",
+})
+
+
+@attrs.frozen
+class Work:
+    """FLOPs and bytes of one part, forward and backward, and the extra activation bytes kept."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    bwd_flops: float = 0.0
+    bwd_bytes: float = 0.0
+    saved: float = 0.0
+    view: bool = False
+    matmul: bool = False  # runs at the matrix rate (else the vector/memory rate)
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.flops + other.flops, self.bytes + other.bytes,
+                    self.bwd_flops + other.bwd_flops, self.bwd_bytes + other.bwd_bytes,
+                    self.saved + other.saved)
+
+
+@attrs.frozen
+class OpContext:
+    """What a rule sees: the op, its annotation (or None), the part's label sizes and bytes."""
+
+    op: Op
+    ann: Annotation | None
+    sizes: Mapping[str, int]
+    in_bytes: tuple[float, ...]   # per input slot the part reads (0 for slots it does not)
+    out_bytes: tuple[float, ...]
+    out_numel: float
+    itemsize: int
+    flash: bool
+
+
+Rule = Callable[[OpContext], Work]
+_RULES: dict[str, Rule] = {}
+
+
+def cost_rule(*kinds: str) -> Callable[[Rule], Rule]:
+    """Register ``fn`` as the cost rule of the ATen operator names ``kinds`` (``"linear"``)."""
+    def deco(fn: Rule) -> Rule:
+        for k in kinds:
+            _RULES[k] = fn
+        return fn
+    return deco
+
+
+def aten_name(target: str) -> str:
+    """``aten.linear.default`` -> ``linear``."""
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else target
+
+
+@cost_rule("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum")
+def matmul_work(c: OpContext) -> Work:
+    flops = 2.0 * math.prod(c.sizes.values())
+    moved = sum(c.in_bytes) + sum(c.out_bytes)
+    return Work(flops, moved, 2 * flops, 2 * moved, matmul=True)
+
+
+@cost_rule("conv1d", "conv2d", "conv3d", "convolution")
+def conv_work(c: OpContext) -> Work:
+    flops = 2.0 * math.prod(c.sizes.values()) / c.sizes.get("g", 1)
+    moved = sum(c.in_bytes) + sum(c.out_bytes)
+    return Work(flops, moved, 2 * flops, 2 * moved, matmul=True)
+
+
+@cost_rule("scaled_dot_product_attention")
+def sdpa_work(c: OpContext) -> Work:
+    s = dict(c.sizes)
+    L, S, E, Ev = s.pop("L"), s.pop("S"), s.pop("E"), s.pop("Ev")
+    batch = math.prod(v for k, v in s.items() if not k.startswith("m"))
+    scores = batch * L * S
+    causal = bool(c.op.kwargs_dict.get("is_causal", c.op.args[5] if len(c.op.args) > 5
+                                       else False))
+    share = 0.5 if (causal and c.flash) else 1.0
+    qk, pv = 2.0 * scores * E * share, 2.0 * scores * Ev * share
+    moved = sum(c.in_bytes) + sum(c.out_bytes)
+    saved = 0.0
+    if not c.flash:  # the math path writes the scores, softmaxes them, reads them for P V
+        moved += 3 * scores * c.itemsize
+        saved = scores * c.itemsize
+    bwd = 2 * (qk + pv) + (qk if c.flash else 0.0)
+    return Work(qk + pv, moved, bwd, 2 * moved, saved=saved, matmul=True)
+
+
+@cost_rule("cross_entropy_loss", "nll_loss")
+def loss_work(c: OpContext) -> Work:
+    logits = c.in_bytes[0] if c.in_bytes else 0.0
+    # log-softmax over the classes: read, write, read again for the gather; kept for backward
+    return Work(5.0 * logits / c.itemsize, 3 * logits, 0.0, 2 * logits, saved=logits)
+
+
+@cost_rule("embedding")
+def embedding_work(c: OpContext) -> Work:
+    out = sum(c.out_bytes)
+    # backward zeroes the weight gradient and adds each row of the output gradient into it
+    weight = c.in_bytes[0] if c.in_bytes else 0.0
+    return Work(0.0, 2 * out, 0.0, 2 * out + weight)
+
+
+def _memory_bound(c: OpContext) -> Work:
+    moved = sum(c.in_bytes) + sum(c.out_bytes)
+    return Work(4.0 * c.out_numel, moved, 8.0 * c.out_numel, 2 * moved)
+
+
+def work_of(graph: Graph, op: Op, ann: Annotation | None, part: Part, *, itemsize: int,
+            flash: bool) -> Work:
+    """The ``Work`` of ``part`` of ``op`` with floats of ``itemsize`` bytes."""
+    name = aten_name(op.target)
+    if name in VIEW_KINDS:
+        return Work(view=True)
+    sizes = dict(ann.sizes()) if ann is not None else {}
+    for label, (start, stop) in part.ranges:
+        sizes[label] = stop - start
+    ins = tuple(_bytes(graph, t, r, itemsize) if r is not None else 0.0
+                for t, r in zip(op.inputs, part.sub.inputs))
+    outs = tuple(_bytes(graph, t, r, itemsize) for t, r in zip(op.outputs, part.sub.outputs))
+    numel = float(sum(_numel(r) for r in part.sub.outputs))
+    ctx = OpContext(op, ann, sizes, ins, outs, numel, itemsize, flash)
+    rule = _RULES.get(name)
+    if rule is None or (ann is None and rule is not loss_work):
+        return _memory_bound(ctx)
+    return rule(ctx)
+
+
+def _numel(region) -> int:
+    return math.prod(sum(b - a for a, b in dim) for dim in region)
+
+
+def item_bytes(graph: Graph, tensor: str, float_itemsize: int) -> int:
+    """Bytes per element of ``tensor``: the run's float size for floats, else its own dtype's."""
+    dtype = graph.tensors[tensor].dtype
+    if "float" in dtype or "complex" in dtype:
+        return float_itemsize
+    if "bool" in dtype or "int8" in dtype or "uint8" in dtype:
+        return 1
+    if "int16" in dtype:
+        return 2
+    if "int32" in dtype:
+        return 4
+    return 8
+
+
+def _bytes(graph: Graph, tensor: str, region, itemsize: int) -> float:
+    return float(_numel(region) * item_bytes(graph, tensor, itemsize))

@@ -1,0 +1,245 @@
+"""Time and memory of one training step: every rank's units in schedule order, with communication.
+
+Each pipeline rank (the devices of one stage group, which run the same program in lockstep)
+runs its units in program order. A unit starts when the rank is free and every unit it depends on
+has finished, plus the time that unit's tensors take to reach it (a forward's activations from the
+stage before, a backward's gradient from the stage after: send/recv); it lasts as long as its
+slowest device needs for its parts and the collectives inside the stage. Sends are asynchronous
+(as the runtime's ``isend``), so only the receiver waits. A plan without stages is one rank of
+all devices running ``F(0, k) B(0, k)`` per micro-batch. After the last unit the runtime sums the
+weight gradients (bucketed all-reduces, not overlapped), steps the optimizer and all-reduces the
+loss; the step time is the sum.
+
+Figures: ``bubble`` = the share of the pipeline's device time spent waiting,
+``1 - busy / (ranks x makespan)``; with uniform stages, F = 1, B = 2 and no communication, 1F1B and
+GPipe give ``(p - 1) / (m + p - 1)``. Memory per device over time: the static bytes (parameters,
+gradients, optimizer state) plus the activations of every forward not yet consumed by its
+backward, plus, while a backward runs, what it recomputes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import attrs
+
+from ssdsl.cost.work import (CostOptions, PlanCosts, StaticMemory, UnitCost, loss_reduce_time,
+                             plan_costs)
+from ssdsl.materialize.program import Materialized
+from ssdsl.schedule.deps import data_deps
+from ssdsl.schedule.units import Pass, Program, Schedule, StageGraph, Unit
+
+_HALF = {Pass.I: 0.5, Pass.W: 0.5}
+
+
+@attrs.frozen
+class Interval:
+    """One unit on one pipeline rank from ``start`` to ``end`` (seconds)."""
+
+    unit: Unit
+    rank: int
+    start: float
+    end: float
+
+
+@attrs.frozen
+class DeviceReport:
+    """The figures of one device."""
+
+    device: int
+    compute: float        # seconds of operator work in the step
+    communication: float  # seconds in collectives and receives (stage adapters, reducer, loss)
+    static: StaticMemory
+    peak_activations: float
+    peak_memory: float
+    memory_timeline: tuple[tuple[float, float], ...]  # (time, bytes) after each change
+    flops: float
+
+
+@attrs.frozen
+class CostReport:
+    """The simulated step (see the module doc)."""
+
+    step_time: float
+    makespan: float          # the pipeline part (forward and backward units)
+    bubble: float
+    reducer_time: float
+    optimizer_time: float
+    devices: tuple[DeviceReport, ...]
+    intervals: tuple[Interval, ...]
+    schedule: Schedule
+    groups: tuple[tuple[int, ...], ...]
+    options: CostOptions
+
+    @property
+    def communication(self) -> float:
+        return max((d.communication for d in self.devices), default=0.0)
+
+    @property
+    def peak_memory(self) -> float:
+        return max((d.peak_memory for d in self.devices), default=0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            "device": o.profile.name, "world": o.cluster.world, "per_node": o.cluster.per_node,
+            "dtype": o.dtype, "optimizer": o.optimizer,
+            "step_time_s": self.step_time, "pipeline_s": self.makespan, "bubble": self.bubble,
+            "reducer_s": self.reducer_time, "optimizer_s": self.optimizer_time,
+            "communication_s": self.communication, "peak_memory_bytes": self.peak_memory,
+            "memory_capacity_bytes": o.profile.memory,
+            "ranks": [list(g) for g in self.groups],
+            "programs": [str(p) for p in self.schedule.programs],
+            "devices": [{"device": d.device, "compute_s": d.compute,
+                         "communication_s": d.communication, "flops": d.flops,
+                         "params_bytes": d.static.params, "grads_bytes": d.static.grads,
+                         "optimizer_bytes": d.static.optimizer,
+                         "peak_activation_bytes": d.peak_activations,
+                         "peak_memory_bytes": d.peak_memory} for d in self.devices],
+        }
+
+
+def _pipeline(m: Materialized) -> tuple[Schedule, tuple[tuple[int, ...], ...]]:
+    lowered = m.schedule
+    if lowered is not None:
+        return lowered.schedule, tuple(tuple(g) for g in lowered.groups)
+    n = m.transformed.microbatches
+    units = [u for k in range(n) for u in (Unit(0, Pass.F, k), Unit(0, Pass.B, k))]
+    schedule = Schedule(StageGraph.chain([0]), n, [Program.of(0, units)])
+    return schedule, (tuple(m.transformed.devices()),)
+
+
+def estimate(m: Materialized, opts: CostOptions) -> CostReport:
+    """Simulate one training step of ``m`` on ``opts``' devices."""
+    schedule, groups = _pipeline(m)
+    return simulate_costs(plan_costs(m, opts), schedule, groups, opts)
+
+
+def simulate_costs(costs: PlanCosts, schedule: Schedule, groups: tuple[tuple[int, ...], ...],
+                   opts: CostOptions) -> CostReport:
+    """The step of ``schedule`` (over ranks; rank r is ``groups[r]``) under ``costs``."""
+    sim = _Sim(costs, schedule, groups)
+    intervals = sim.run()
+    makespan = max((iv.end for iv in intervals), default=0.0)
+    busy = sum(iv.end - iv.start for iv in intervals)
+    ranks = len(groups)
+    bubble = 1 - busy / (ranks * makespan) if makespan else 0.0
+    devices = tuple(d for g in groups for d in g)
+    reducer = max((costs.reducer.get(d, 0.0) for d in devices), default=0.0)
+    optimizer = max((costs.optimizer.get(d, 0.0) for d in devices), default=0.0)
+    loss = loss_reduce_time(opts, devices) if len(devices) > 1 else 0.0
+    step = makespan + reducer + optimizer + loss
+    reports = tuple(_device_report(costs, schedule, groups, intervals, d, makespan, loss)
+                    for d in sorted(devices))
+    return CostReport(step, makespan, bubble, reducer, optimizer, reports, tuple(intervals),
+                      schedule, groups, opts)
+
+
+class _Sim:
+    """Mutable state of one simulation (lives only inside ``simulate_costs``)."""
+
+    def __init__(self, costs: PlanCosts, schedule: Schedule, groups) -> None:
+        self.costs, self.schedule, self.groups = costs, schedule, groups
+        self.rank_of_stage = schedule.stages.devices
+        self.end: dict[Unit, float] = {}
+        self.free = [0.0] * len(groups)
+        self.pcs = [0] * len(groups)
+        self.out: list[Interval] = []
+        self.waiting: dict[Unit, list[int]] = defaultdict(list)
+
+    def unit_cost(self, d: int, stage: int) -> UnitCost:
+        return self.costs.units.get((d, stage), UnitCost())
+
+    def duration(self, unit: Unit, rank: int) -> float:
+        times = []
+        for d in self.groups[rank]:
+            c = self.unit_cost(d, unit.stage)
+            times.append(c.forward if unit.kind is Pass.F else c.backward * _HALF.get(unit.kind, 1))
+        return max(times, default=0.0)
+
+    def delay(self, dep: Unit, unit: Unit, rank: int) -> float:
+        """Time ``dep``'s tensors take to reach ``unit`` (on ``rank``)."""
+        if dep.stage == unit.stage:
+            return 0.0
+        if unit.kind is Pass.F:  # activations dep.stage -> unit.stage, received by rank
+            key = lambda d: (dep.stage, unit.stage, d)  # noqa: E731
+            return max((self.costs.fwd_delay.get(key(d), 0.0) for d in self.groups[rank]),
+                       default=0.0)
+        key = lambda d: (unit.stage, dep.stage, d)  # noqa: E731  gradient back to unit.stage
+        return max((self.costs.bwd_delay.get(key(d), 0.0) for d in self.groups[rank]),
+                   default=0.0)
+
+    def advance(self, r: int) -> list[int]:
+        prog, woken = self.schedule.programs[r].units, []
+        while self.pcs[r] < len(prog):
+            unit = prog[self.pcs[r]]
+            start = self.free[r]
+            blocked = None
+            for dep in data_deps(unit, self.schedule.stages,
+                                 split_backward=self.schedule.split_backward):
+                done = self.end.get(dep)
+                if done is None:
+                    blocked = dep
+                    break
+                start = max(start, done + self.delay(dep, unit, r))
+            if blocked is not None:
+                self.waiting[blocked].append(r)
+                break
+            end = start + self.duration(unit, r)
+            self.out.append(Interval(unit, r, start, end))
+            self.end[unit] = self.free[r] = end
+            woken += self.waiting.pop(unit, [])
+            self.pcs[r] += 1
+        return woken
+
+    def run(self) -> list[Interval]:
+        todo = list(range(len(self.groups)))
+        while todo:
+            todo += self.advance(todo.pop())
+        if any(pc != len(p) for pc, p in zip(self.pcs, self.schedule.programs)):
+            raise ValueError("the schedule deadlocks; `ssdsl check` says where")
+        return sorted(self.out, key=lambda iv: (iv.start, iv.rank))
+
+
+def _device_report(costs: PlanCosts, schedule: Schedule, groups, intervals, d: int,
+                   makespan: float, loss: float) -> DeviceReport:
+    rank = next(r for r, g in enumerate(groups) if d in g)
+    static = costs.memory.get(d, StaticMemory(0.0, 0.0, 0.0))
+    compute = flops = 0.0
+    comm = costs.reducer.get(d, 0.0) + loss
+    live = peak_act = 0.0
+    timeline = [(0.0, static.total)]
+    for iv in (iv for iv in intervals if iv.rank == rank):
+        c = costs.units.get((d, iv.unit.stage), UnitCost())
+        share = _HALF.get(iv.unit.kind, 1.0)
+        if iv.unit.kind is Pass.F:
+            compute += c.fwd_compute
+            comm += c.fwd_comm + _received(costs.fwd_delay, iv.unit.stage, d, schedule, fwd=True)
+            live += c.activations
+            peak_act = max(peak_act, live)
+            timeline.append((iv.end, static.total + live))
+            continue
+        compute += (c.bwd_compute + c.recompute) * share
+        comm += c.bwd_comm * share
+        if iv.unit.kind is not Pass.W:
+            comm += _received(costs.bwd_delay, iv.unit.stage, d, schedule, fwd=False)
+        peak_act = max(peak_act, live + c.recompute_peak)
+        timeline.append((iv.start, static.total + live + c.recompute_peak))
+        if iv.unit.kind is not Pass.I:
+            live -= c.activations
+        timeline.append((iv.end, static.total + live))
+    for (dev, _s), c in costs.units.items():
+        if dev == d:
+            flops += c.flops * schedule.microbatches
+    timeline.append((makespan, static.total))
+    return DeviceReport(d, compute, comm, static, peak_act, static.total + peak_act,
+                        tuple(timeline), flops)
+
+
+def _received(delays, stage: int, d: int, schedule: Schedule, *, fwd: bool) -> float:
+    """Seconds device d spends receiving for one unit of ``stage``."""
+    g = schedule.stages
+    if fwd:
+        return sum(delays.get((a, stage, d), 0.0) for a in g.preds(stage))
+    return sum(delays.get((stage, b, d), 0.0) for b in g.succs(stage))

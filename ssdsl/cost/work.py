@@ -1,0 +1,361 @@
+"""From a materialized plan to the cost of each unit on each device, in seconds and bytes.
+
+For every device and every pipeline stage this gives the time of the stage's forward and
+backward on one micro-batch (its parts' compute, ``ssdsl.cost.ops``, at the device's rates, plus
+the collectives of the adapters inside the stage), the activation bytes one micro-batch keeps
+there, and, per pair of stages, the time a micro-batch's tensors (and gradients) take to cross.
+The weight-gradient reducer and the optimizer step are costed per device. Where a unit's pieces
+run is the runtime's rule (``docs/pipelines.md``): an adapter between two operators of one stage
+runs inside that stage's units; one between stages delays the consumer's forward (and, for the
+gradient, the producer's backward).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+import attrs
+
+from ssdsl.cost.collectives import Link, all_reduce_time, collective_time, link_for, p2p_time
+from ssdsl.cost.ops import VIEW_KINDS, Work, aten_name, item_bytes, work_of
+from ssdsl.cost.profiles import Cluster, DeviceProfile
+from ssdsl.elaborate.directives import Recompute
+from ssdsl.ir.region import Region
+from ssdsl.materialize.program import Materialized
+from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
+from ssdsl.ops import Annotation
+from ssdsl.transform.select import select_ops
+
+ITEMSIZE = {"float64": 8, "float32": 4, "tfloat32": 4, "float16": 2, "bfloat16": 2}
+# Optimizer state per parameter element, in fp32 values: SGD without momentum keeps none.
+OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+
+
+@attrs.frozen
+class UnitCost:
+    """One stage's forward and backward on one micro-batch, on one device."""
+
+    fwd_compute: float = 0.0
+    bwd_compute: float = 0.0
+    fwd_comm: float = 0.0
+    bwd_comm: float = 0.0
+    recompute: float = 0.0       # forward time re-run inside the backward
+    activations: float = 0.0     # bytes kept from the forward to the backward
+    recompute_peak: float = 0.0  # bytes a backward re-creates while it runs
+    flops: float = 0.0           # forward + backward (+ recompute) FLOPs
+
+    @property
+    def forward(self) -> float:
+        return self.fwd_compute + self.fwd_comm
+
+    @property
+    def backward(self) -> float:
+        return self.bwd_compute + self.bwd_comm + self.recompute
+
+
+@attrs.frozen
+class StaticMemory:
+    """Bytes a device holds for the whole step: parameters, their gradients, optimizer state."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+@attrs.frozen
+class PlanCosts:
+    """Everything the time simulation needs (see the module doc)."""
+
+    units: Mapping[tuple[int, int], UnitCost]          # (device, stage) -> cost
+    fwd_delay: Mapping[tuple[int, int, int], float]    # (src stage, dst stage, dst device)
+    bwd_delay: Mapping[tuple[int, int, int], float]    # (src stage, dst stage, src device)
+    reducer: Mapping[int, float]                       # device -> gradient all-reduce time
+    optimizer: Mapping[int, float]                     # device -> optimizer step time
+    memory: Mapping[int, StaticMemory]
+    devices: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class CostOptions:
+    """How to cost a plan: the device, the cluster, the dtype and the optimizer."""
+
+    profile: DeviceProfile
+    cluster: Cluster
+    dtype: str = "float32"
+    optimizer: str = "adamw"
+    momentum: bool = False
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+
+def plan_costs(m: Materialized, opts: CostOptions) -> PlanCosts:
+    """The per-device, per-stage costs of ``m`` under ``opts``."""
+    t = m.transformed
+    devices = tuple(t.devices())
+    units: dict[tuple[int, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    _compute(m, opts, units)
+    fwd_delay, bwd_delay = _adapters(m, opts, units)
+    memory, reducer, optimizer = _static(m, opts, devices)
+    frozen = {k: UnitCost(**v) for k, v in units.items()}
+    return PlanCosts(frozen, fwd_delay, bwd_delay, reducer, optimizer, memory, devices)
+
+
+# ------------------------------------------------------------------------------ compute
+
+
+def _grad_tensors(m: Materialized) -> set[str]:
+    """Tensors that carry a gradient: parameters and what is computed from them."""
+    g = m.transformed.graph
+    found = set(g.params)
+    for op in g.ops:
+        if any(x in found for x in op.inputs):
+            found.update(x for x in op.outputs if _is_float(g, x))
+    return found
+
+
+def _is_float(g, tensor: str) -> bool:
+    return "float" in g.tensors[tensor].dtype or "complex" in g.tensors[tensor].dtype
+
+
+def recomputed_ops(m: Materialized) -> frozenset[str]:
+    """Operators under ``recompute`` statements, except those next to communication (the
+    runtime leaves them out: recomputing a receive would receive twice)."""
+    t = m.transformed
+    chosen: set[str] = set()
+    for d in t.deferred:
+        if isinstance(d, Recompute):
+            chosen.update(select_ops(t.graph, d.selector, d.span))
+    if not chosen:
+        return frozenset()
+    producer = {x: op.name for op in t.graph.ops for x in op.outputs}
+    for (tensor, op, _slot), edge in m.edges.items():
+        if edge.adapter.nbytes or (edge.adapter.backward is not None
+                                    and edge.adapter.backward.nbytes):
+            chosen.discard(op)
+            chosen.discard(producer.get(tensor, ""))
+    return frozenset(chosen)
+
+
+def _part_time(w: Work, opts: CostOptions, *, backward: bool) -> float:
+    p = opts.profile
+    if w.view:
+        return p.view_overhead
+    flops, moved = (w.bwd_flops, w.bwd_bytes) if backward else (w.flops, w.bytes)
+    rate = p.flops_rate(opts.dtype) if w.matmul else p.peak_flops(opts.dtype)
+    return p.op_overhead + max(flops / rate, moved / p.bytes_rate())
+
+
+def _compute(m: Materialized, opts: CostOptions, units) -> None:
+    t = m.transformed
+    g = t.graph
+    grads = _grad_tensors(m)
+    recompute = recomputed_ops(m)
+    producer = {x: op for op in g.ops for x in op.outputs}
+    base = _view_bases(g)
+    saved: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+    re_saved: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+    for op in g.ops:
+        ann = t.annotations[op.name]
+        ann = ann if isinstance(ann, Annotation) else None
+        needs_bwd = any(x in grads for x in op.inputs)
+        stage = t.stage(op.name)
+        for part in t.parts[op.name]:
+            w = work_of(g, op, ann, part, itemsize=opts.itemsize,
+                        flash=opts.profile.flash_attention)
+            if w.matmul:
+                w = _matmul_grad_share(w, op, grads)
+            u = units[(part.device, stage)]
+            fwd = _part_time(w, opts, backward=False)
+            u["fwd_compute"] += fwd
+            u["flops"] += w.flops
+            if needs_bwd:
+                u["bwd_compute"] += _part_time(w, opts, backward=True)
+                u["flops"] += w.bwd_flops
+            kept = re_saved if op.name in recompute else saved
+            if op.name in recompute:
+                u["recompute"] += fwd
+                u["flops"] += w.flops
+            if needs_bwd and aten_name(op.target) not in VIEW_KINDS:
+                _keep(kept[(part.device, stage)], g, op, part, base, opts, grads, w)
+                if op.name in recompute:  # a segment's inputs from outside it stay alive
+                    for x, r in zip(op.inputs, part.sub.inputs):
+                        src = producer.get(base.get(x, x))
+                        if r is not None and src is not None and src.name not in recompute \
+                                and _is_float(g, x):
+                            key = base.get(x, x)
+                            size = _region_bytes(g, x, r, opts.itemsize)
+                            d = saved[(part.device, stage)]
+                            d[key] = max(d.get(key, 0.0), size)
+    for key, kept in saved.items():
+        units[key]["activations"] += sum(kept.values())
+    for key, kept in re_saved.items():
+        units[key]["recompute_peak"] += sum(kept.values())
+
+
+def _matmul_grad_share(w: Work, op, grads: set[str]) -> Work:
+    """A product whose one operand needs no gradient does half the backward products."""
+    name = aten_name(op.target)
+    slots = (1, 2) if name in ("addmm", "baddbmm") else (0, 1)
+    n = sum(1 for s in slots if s < len(op.inputs) and op.inputs[s] in grads)
+    return attrs.evolve(w, bwd_flops=w.bwd_flops * n / 2) if n < 2 else w
+
+
+def _view_bases(g) -> dict[str, str]:
+    """Each view's output -> the tensor whose storage it shares (followed through views)."""
+    base: dict[str, str] = {}
+    for op in g.ops:
+        if aten_name(op.target) in VIEW_KINDS and op.inputs:
+            src = base.get(op.inputs[0], op.inputs[0])
+            for x in op.outputs:
+                base[x] = src
+    return base
+
+
+def _region_bytes(g, tensor: str, region, itemsize: int) -> float:
+    n = 1
+    for dim in region:
+        n *= sum(b - a for a, b in dim)
+    return float(n * item_bytes(g, tensor, itemsize))
+
+
+def _keep(into: dict[str, float], g, op, part, base, opts: CostOptions, grads, w: Work) -> None:
+    """The activations a part keeps for its backward: its float inputs that are not
+    parameters (once per storage), plus what the rule says it saves beyond them."""
+    for x, r in zip(op.inputs, part.sub.inputs):
+        if r is None or x in g.params or not _is_float(g, x):
+            continue
+        key = base.get(x, x)
+        into[key] = max(into.get(key, 0.0), _region_bytes(g, x, r, opts.itemsize))
+    if w.saved:
+        into[f"{op.name}#saved"] = into.get(f"{op.name}#saved", 0.0) + w.saved
+
+
+# ------------------------------------------------------------------------------ communication
+
+
+def step_times(step, dtype_size: int, opts: CostOptions) -> dict[int, float]:
+    """Time each device spends in one adapter step."""
+    if isinstance(step, PointToPoint):
+        return _p2p_times(step, dtype_size, opts)
+    if not isinstance(step, CollectiveStep) or not step.nbytes or not step.groups:
+        return {}
+    k = len(step.groups[0])
+    total = sum(len(g) for g in step.groups)
+    per_member = _per_member(step.kind, step.nbytes, total, k)
+    crossing: dict[int, int] = defaultdict(int)  # node -> rings leaving it at once
+    for grp in step.groups:
+        nodes = opts.cluster.nodes_of(grp)
+        if len(nodes) > 1:
+            for node in nodes:
+                crossing[node] += 1
+    out: dict[int, float] = {}
+    for grp in step.groups:
+        share = max((crossing[n] for n in opts.cluster.nodes_of(grp)), default=1)
+        link = link_for(grp, opts.profile, opts.cluster, sharing=share)
+        time = collective_time(step.kind, len(grp), per_member, link)
+        for d in grp:
+            out[d] = time
+    return out
+
+
+def _per_member(kind: str, nbytes: float, total: int, k: int) -> float:
+    """The buffer each member passes, from the step's bytes received in total (``steps.py``)."""
+    if k <= 1:
+        return 0.0
+    if kind == "all_gather":
+        return nbytes / (total * (k - 1))
+    if kind == "all_reduce":
+        return nbytes * k / (2 * total * (k - 1))
+    return nbytes * k / (total * (k - 1))
+
+
+def _p2p_times(step: PointToPoint, itemsize: int, opts: CostOptions) -> dict[int, float]:
+    sent: dict[int, float] = defaultdict(float)
+    recv: dict[int, float] = defaultdict(float)
+    for msg in step.messages:
+        if msg.src == msg.dst:
+            continue
+        link = link_for((msg.src, msg.dst), opts.profile, opts.cluster)
+        time = p2p_time(msg.region.numel() * itemsize, link)
+        sent[msg.src] += time
+        recv[msg.dst] += time
+    return {d: max(sent.get(d, 0.0), recv.get(d, 0.0)) for d in {*sent, *recv}}
+
+
+def adapter_times(adapter: Adapter, opts: CostOptions) -> dict[int, float]:
+    """Time each device spends in ``adapter``'s steps, one after another."""
+    size = adapter.dtype.itemsize if not adapter.dtype.is_floating_point else opts.itemsize
+    out: dict[int, float] = defaultdict(float)
+    scale = opts.itemsize / adapter.dtype.itemsize if adapter.dtype.is_floating_point else 1.0
+    for step in adapter.steps:
+        if isinstance(step, CollectiveStep):
+            step = attrs.evolve(step, nbytes=int(step.nbytes * scale))
+        for d, time in step_times(step, size, opts).items():
+            out[d] += time
+    return out
+
+
+def _adapters(m: Materialized, opts: CostOptions, units):
+    t = m.transformed
+    producer = {x: op.name for op in t.graph.ops for x in op.outputs}
+    fwd_delay: dict[tuple[int, int, int], float] = defaultdict(float)
+    bwd_delay: dict[tuple[int, int, int], float] = defaultdict(float)
+    for (tensor, op, _slot), edge in m.edges.items():
+        a, b = t.stage(producer[tensor]), t.stage(op)
+        fwd = adapter_times(edge.adapter, opts)
+        bwd = adapter_times(edge.adapter.backward, opts) if edge.adapter.backward else {}
+        if a == b:
+            for d, time in fwd.items():
+                units[(d, b)]["fwd_comm"] += time
+            for d, time in bwd.items():
+                units[(d, a)]["bwd_comm"] += time
+            continue
+        for d, time in fwd.items():
+            fwd_delay[(a, b, d)] += time
+        for d, time in bwd.items():
+            bwd_delay[(a, b, d)] += time
+    return dict(fwd_delay), dict(bwd_delay)
+
+
+# ------------------------------------------------------------------------------ static memory
+
+
+def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
+    t = m.transformed
+    g = t.graph
+    held: dict[int, dict[tuple[str, Region], int]] = defaultdict(dict)
+    for (name, _op, _slot, device), use in m.sources.items():
+        if name in g.params:
+            held[device][(name, use.region)] = use.region.numel()
+    states = OPTIMIZER_STATES[opts.optimizer] if not opts.momentum else 1
+    master = 4 if opts.itemsize < 4 else 0  # half precision keeps an fp32 master copy
+    p = opts.profile
+    memory, optimizer, reducer = {}, {}, {}
+    for d in devices:
+        numel = sum(held[d].values())
+        params = numel * opts.itemsize
+        memory[d] = StaticMemory(params, params, numel * (4 * states + master))
+        # read parameter and gradient, read and write each state, write the parameter
+        moved = numel * (3 * opts.itemsize + 8 * states + 2 * master)
+        optimizer[d] = len(held[d]) * p.op_overhead * (1 + states) + moved / p.bytes_rate()
+        reducer[d] = 0.0
+    scale = opts.itemsize / m.dtype.itemsize
+    for bucket in m.reducer.buckets:
+        link = link_for(bucket.devices, p, opts.cluster)
+        time = all_reduce_time(len(bucket.devices), bucket.size * scale, link)
+        for d in bucket.devices:
+            reducer[d] = reducer.get(d, 0.0) + time
+    return memory, reducer, optimizer
+
+
+def loss_reduce_time(opts: CostOptions, devices: tuple[int, ...]) -> float:
+    """The step's last collective: the loss, one float64, summed over every rank."""
+    link: Link = link_for(devices, opts.profile, opts.cluster)
+    return all_reduce_time(len(devices), 8.0, link)

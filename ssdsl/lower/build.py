@@ -1,0 +1,496 @@
+"""Lowering: a materialized plan and its schedule to one frozen program per rank.
+
+For each rank, the units of its schedule program (``F(s, k)``, ``B(s, k)``; a plan without stages
+runs ``F(0, k) B(0, k)`` for every micro-batch) are written out instruction by instruction:
+
+- a forward unit walks stage s's operators in graph order. For every data edge the rank takes
+  part in, at the consumer when the rank holds a part of the consumer's stage, else right after
+  the producer (a send to a later stage): an adapter that moves nothing is the producer's value
+  itself; one where this rank exchanges nothing is a ``LocalAdapter``; any other is a ``Comm``,
+  which ends the current *segment* (its outputs are new autograd leaves). A value made in another
+  segment is read through a ``Cut`` (a leaf), so every segment's autograd graph stands alone.
+- a backward unit mirrors its forward: the segments' ``Backward`` in reverse order, each after
+  the backward ``Comm`` of the communication point that follows it. So every rank's backward
+  communication has a fixed order, written in its program.
+- ``recompute`` selections become ``RecomputeBegin``/``RecomputeEnd`` around each run of selected
+  calls inside one segment: a communication point ends a run, so recompute never communicates.
+- after the units: ``WaitSends``, the weight-gradient buckets this rank is in, ``LossSum``, and
+  ``OptimizerStep``.
+
+Message tags are unique per (edge, micro-batch, direction, message), so messages in flight at
+the same time never match each other's receives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from ssdsl.elaborate.directives import Recompute
+from ssdsl.ir.graph import Op
+from ssdsl.ir.region import Region
+from ssdsl.lower.instr import (Backward, Begin, Call, Coll, Comm, Cut, End, Free, LocalAdapter,
+                               LocalStep, LossSum, Msg, OptimizerStep, P2P, Program,
+                               RecomputeBegin, RecomputeEnd, ReduceBucket, TakeBuffer, TakeInput,
+                               TakeParam, WaitSends, moves, reads, writes)
+from ssdsl.materialize.program import Edge, Materialized
+from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
+from ssdsl.source import Span
+from ssdsl.transform.parts import Part
+from ssdsl.transform.select import select_ops
+
+# Messages of one adapter direction get tags ``base * TAG_STRIDE + i``; base is unique per
+# (edge, micro-batch, direction).
+TAG_STRIDE = 4096
+
+
+@attrs.frozen
+class ProgramSet:
+    """Every rank's program, ``programs[r].rank == r``."""
+
+    world: int
+    programs: tuple[Program, ...]
+
+    def __getitem__(self, rank: int) -> Program:
+        return self.programs[rank]
+
+
+def lower_plan(m: Materialized) -> ProgramSet:
+    """One program per rank of ``m`` (``m.transformed.world`` ranks)."""
+    ctx = _Context.of(m)
+    world = m.transformed.world
+    return ProgramSet(world, tuple(_RankLowering(ctx, r).program() for r in range(world)))
+
+
+def lower_rank(m: Materialized, rank: int) -> Program:
+    """The program of ``rank`` alone."""
+    return _RankLowering(_Context.of(m), rank).program()
+
+
+# -- what every rank's lowering shares ------------------------------------------------------------
+
+
+@attrs.frozen
+class _Context:
+    m: Materialized
+    ops_of: dict[int, list[Op]]
+    stage_devices: dict[int, frozenset[int]]
+    producer: dict[str, Op]
+    after: dict[str, list[tuple[str, str, int]]]       # producer op -> edges it feeds
+    edge_ids: dict[tuple[str, str, int], int]
+    units: tuple[tuple[tuple[int, ...], tuple[tuple[str, Span | None], ...]], ...]
+    recompute: dict[str, Span]
+    placed: dict[tuple[str, int], Part]
+
+    @classmethod
+    def of(cls, m: Materialized) -> _Context:
+        t, g = m.transformed, m.transformed.graph
+        ops_of: dict[int, list[Op]] = {}
+        devices: dict[int, set[int]] = {}
+        for op in g.ops:
+            s = t.stage(op.name)
+            ops_of.setdefault(s, []).append(op)
+            devices.setdefault(s, set()).update(p.device for p in t.parts[op.name])
+        producer = g.producer()
+        after: dict[str, list[tuple[str, str, int]]] = {}
+        for key in m.edges:
+            after.setdefault(producer[key[0]].name, []).append(key)
+        recompute: dict[str, Span] = {}
+        for d in t.deferred:
+            if isinstance(d, Recompute):
+                for name in select_ops(g, d.selector, d.span):
+                    recompute.setdefault(name, d.span)
+        placed = {(op, p.device): p for op, parts in t.parts.items() for p in parts}
+        return cls(m, ops_of, {s: frozenset(d) for s, d in devices.items()}, producer, after,
+                   {key: i for i, key in enumerate(m.edges)}, _unit_programs(m), recompute,
+                   placed)
+
+
+def unit_order(m: Materialized, rank: int) -> tuple[tuple[str, Span | None], ...]:
+    """The units ``rank`` runs, in the schedule's order, each with its plan line."""
+    return next((us for group, us in _unit_programs(m) if rank in group), ())
+
+
+def _unit_programs(m: Materialized):
+    if m.schedule is not None:
+        return tuple((group, tuple((str(u), s) for u, s in zip(prog.units, prog.spans)))
+                     for group, prog in zip(m.schedule.groups, m.schedule.schedule.programs))
+    everyone = tuple(range(m.transformed.world))
+    units = tuple((f"0{p}{k}", None) for k in range(m.transformed.microbatches) for p in "FB")
+    return ((everyone, units),)
+
+
+# -- localizing adapter steps ---------------------------------------------------------------------
+
+
+def localize(adapter: Adapter, rank: int, tag_base: int) -> tuple[LocalStep, ...]:
+    """What ``rank`` does in each step of ``adapter``; message ``i`` of the adapter's
+    point-to-point steps gets tag ``tag_base * TAG_STRIDE + i``."""
+    out: list[LocalStep] = []
+    n = 0
+    for step in adapter.steps:
+        if isinstance(step, PointToPoint):
+            out.append(_local_p2p(step, rank, tag_base * TAG_STRIDE + n))
+            n += len(step.messages)
+            if n > TAG_STRIDE:
+                raise ValueError(f"an adapter of {n} messages (at most {TAG_STRIDE})")
+        else:
+            group = next((g for g in step.groups if rank in g), None)
+            if group is not None:
+                out.append(_local_coll(step, group))
+    return tuple(s for s in out if not (isinstance(s, P2P) and not s.msgs and not s.targets))
+
+
+def _local_coll(step: CollectiveStep, group: tuple[int, ...]) -> Coll:
+    return Coll(step.kind, tuple(group), getattr(step, "dim", 0), getattr(step, "cat_dim", 0),
+                getattr(step, "split_dim", 0))
+
+
+def _local_p2p(step: PointToPoint, rank: int, first_tag: int) -> P2P:
+    msgs = []
+    for i, msg in enumerate(step.messages):
+        if msg.src == rank and msg.dst == rank:
+            msgs.append(Msg("copy", rank, first_tag + i, msg.src_slot, msg.dst_slot, msg.region))
+        elif msg.src == rank:
+            msgs.append(Msg("send", msg.dst, first_tag + i, msg.src_slot, msg.dst_slot,
+                            msg.region))
+        elif msg.dst == rank:
+            msgs.append(Msg("recv", msg.src, first_tag + i, msg.src_slot, msg.dst_slot,
+                            msg.region))
+    return P2P(tuple(r for d, r in step.sources if d == rank),
+               tuple(r for d, r in step.targets if d == rank), tuple(msgs))
+
+
+def _passthrough(adapter: Adapter, rank: int) -> bool:
+    """Whether ``adapter`` hands this rank its own tensor (no step in either direction)."""
+    if adapter.steps or (adapter.backward is not None and adapter.backward.steps):
+        return False
+    mine = [r for d, r in adapter.producers if d == rank]
+    return len(mine) == 1 and mine == [r for d, r in adapter.consumers if d == rank]
+
+
+def _has_grad(adapter: Adapter) -> bool:
+    return adapter.backward is not None and adapter.dtype.is_floating_point
+
+
+# -- one rank -----------------------------------------------------------------------------------
+
+
+@attrs.define
+class _Point:
+    """A communication point of a forward unit, for its backward mirror."""
+
+    comm: Comm
+    key: tuple[str, str, int]
+
+
+@attrs.define
+class _Segment:
+    index: int
+    seeds: list[str] = attrs.Factory(list)
+    roots: list[str] = attrs.Factory(list)
+    collect: list[tuple[str, str]] = attrs.Factory(list)
+    span: Span | None = None
+
+
+class _RankLowering:
+    def __init__(self, ctx: _Context, rank: int) -> None:
+        self.c, self.rank = ctx, rank
+        self.m = ctx.m
+        self.t = ctx.m.transformed
+        self.graph = self.t.graph
+        self.out: list[Any] = []
+        self.seg: _Segment | None = None
+        self.n_segments = 0
+        self.defined_in: dict[str, _Segment] = {}
+        self.leaves: set[str] = set()
+        self.uncollected: set[str] = set()
+        self.cuts: dict[tuple[str, int], str] = {}
+        self.takes: dict[tuple, str] = {}
+        self.take_ids: dict[tuple, int] = {}
+        self.forward_items: dict[str, list] = {}     # unit -> [segment | point] in order
+        self.made: dict[str, list[str]] = {}         # unit -> values it defines
+        self.region_start: int | None = None
+        self.region_span: Span | None = None
+
+    # -- driver ------------------------------------------------------------------------------
+    def program(self) -> Program:
+        units = next((us for group, us in self.c.units if self.rank in group), ())
+        for unit, span in units:
+            self.out.append(Begin(unit, span=span))
+            stage, pass_, mb = _split_unit(unit)
+            if pass_ == "F":
+                self._forward(unit, stage, mb)
+            elif pass_ == "B":
+                self._backward(unit, stage, mb, span)
+            self.out.append(End(unit, span=span))
+        tail = self._anchor()
+        self.out.append(WaitSends(span=tail))
+        for i, b in enumerate(self.m.reducer.buckets):
+            if self.rank in b.devices:
+                self.out.append(ReduceBucket(i, tuple(b.devices), tuple(b.entries),
+                                             span=self._weight_span(b.entries)))
+        self.out.append(LossSum(tuple(range(self.t.world)), span=tail))
+        self.out.append(OptimizerStep(span=tail))
+        return Program(self.rank, self.t.world, tuple(_fill_recompute(self.out)))
+
+    def _anchor(self) -> Span | None:
+        """A plan line for the step's tail: the first assign that placed a part here."""
+        for op in self.graph.ops:
+            p = self.c.placed.get((op.name, self.rank))
+            if p is not None and (p.assigned_at or p.span) is not None:
+                return p.assigned_at or p.span
+        for p in (p for ps in self.t.parts.values() for p in ps):
+            if p.assigned_at is not None:
+                return p.assigned_at
+        return None
+
+    def _weight_span(self, entries) -> Span | None:
+        names = {name for name, _ in entries}
+        for op in self.graph.ops:
+            if names & set(op.inputs):
+                p = self.c.placed.get((op.name, self.rank))
+                if p is not None and (p.assigned_at or p.span) is not None:
+                    return p.assigned_at or p.span
+        return self._anchor()
+
+    # -- segments --------------------------------------------------------------------------------
+    def _new_segment(self, unit: str, span: Span | None) -> None:
+        self._close_region()
+        self.seg = _Segment(self.n_segments, span=span)
+        self.n_segments += 1
+        self.forward_items[unit].append(self.seg)
+
+    def _define(self, value: str, unit: str) -> None:
+        self.defined_in[value] = self.seg
+        self.made[unit].append(value)
+
+    def _use(self, value: str, unit: str) -> str:
+        """``value`` as the current segment may read it (a leaf, or a cut of another segment's)."""
+        if value in self.uncollected:
+            # a communicated leaf: its gradient is taken after the backward of the segment
+            # that reads it (which may follow other communication points)
+            self.uncollected.discard(value)
+            self.seg.collect.append((value, value))
+        if value in self.leaves or self.defined_in.get(value) is self.seg:
+            return value
+        key = (value, self.seg.index)
+        if key not in self.cuts:
+            cut = f"{value}|{self.seg.index}"
+            self.cuts[key] = cut
+            ins = Cut(cut, value, span=self.seg.span)
+            if self.region_start is not None:  # a cut must stay outside a recomputed region
+                self.out.insert(self.region_start, ins)
+                self.region_start += 1
+            else:
+                self.out.append(ins)
+            self.leaves.add(cut)
+            self.made[unit].append(cut)
+            self.seg.collect.append((cut, value))
+            src_seg = self.defined_in.get(value)
+            if src_seg is not None and value not in src_seg.roots:
+                src_seg.roots.append(value)
+        return self.cuts[key]
+
+    # -- forward ------------------------------------------------------------------------------
+    def _forward(self, unit: str, stage: int, mb: int) -> None:
+        self.forward_items[unit] = []
+        self.made[unit] = []
+        self._new_segment(unit, None)
+        for op in self.c.ops_of.get(stage, []):
+            part = self.c.placed.get((op.name, self.rank))
+            if part is None or op.name not in self.c.recompute:
+                self._close_region()  # before this op's inputs: they belong outside
+            self.seg.span = self.seg.span or (part.span if part is not None else None)
+            local = [self._input(op, slot, name, part, unit, stage, mb)
+                     for slot, name in enumerate(op.inputs)]
+            if part is not None:
+                self._call(op, part, local, unit, mb)
+            else:
+                self._close_region()
+            for key in self.c.after.get(op.name, ()):
+                edge = self.m.edges[key]
+                if self.rank in edge.adapter.devices and not self._at_consumer(key):
+                    self._adapter(edge, key, unit, mb, part)
+        self._close_region()
+
+    def _at_consumer(self, key: tuple[str, str, int]) -> bool:
+        return self.rank in self.c.stage_devices[self.t.stage(key[1])]
+
+    def _input(self, op: Op, slot: int, name: str, part: Part | None, unit: str, stage: int,
+               mb: int) -> str | None:
+        key = (name, op.name, slot)
+        edge = self.m.edges.get(key)
+        if edge is not None:
+            if self.rank not in edge.adapter.devices or not self._at_consumer(key):
+                return None
+            return self._adapter(edge, key, unit, mb, part)
+        if part is None or part.sub.inputs[slot] is None:
+            return None
+        return self._source(name, op.name, slot, mb, unit, part)
+
+    def _source(self, name: str, op: str, slot: int, mb: int, unit: str, part: Part) -> str:
+        use = self.m.sources[(name, op, slot, self.rank)]
+        g = self.graph
+        is_input = name in g.inputs
+        key = (name, use.region, use.scale, mb if is_input else -1, self.seg.index)
+        if key in self.takes:
+            return self.takes[key]
+        n = self.take_ids.setdefault(key[:4], len(self.take_ids))
+        value = f"{name}#{n}|{self.seg.index}"
+        span = part.assigned_at or part.span
+        if is_input:
+            boxes = self.t.input_boxes.get(name)
+            box = boxes[mb] if boxes is not None else None
+            ins: Any = TakeInput(value, g.inputs.index(name), box, use.region, span=span)
+        elif name in g.params:
+            ins = TakeParam(value, name, use.region, use.scale, span=span)
+        else:
+            ins = TakeBuffer(value, name, use.region, span=span)
+        self.out.append(ins)
+        self.takes[key] = value
+        self._define(value, unit)
+        self.leaves.add(value)  # takes are leaves (or views of leaves): no cut needed
+        return value
+
+    def _adapter(self, edge: Edge, key, unit: str, mb: int, part: Part | None) -> str | None:
+        ad = edge.adapter
+        producer_value = f"{edge.tensor}@{mb}"
+        is_producer = any(d == self.rank for d, _ in ad.producers)
+        is_consumer = any(d == self.rank for d, _ in ad.consumers)
+        if _passthrough(ad, self.rank):
+            return self._use(producer_value, unit) if is_consumer else None
+        eid = self.c.edge_ids[key]
+        base = eid * self.t.microbatches + mb
+        fwd = localize(ad, self.rank, 2 * base)
+        back = localize(ad.backward, self.rank, 2 * base + 1) if _has_grad(ad) else ()
+        outs = (f"{edge.tensor}>{edge.op}.{edge.slot}@{mb}",) if is_consumer else ()
+        span = self._edge_span(edge, part)
+        if not moves(fwd) and not moves(back):
+            if not is_consumer:
+                return None  # nothing leaves this rank and nothing arrives
+            ins = (self._use(producer_value, unit),) if is_producer else ()
+            self.out.append(LocalAdapter(eid, ins, outs, fwd, back, span=span))
+            for o in outs:
+                self._define(o, unit)
+            return outs[0]
+        ins = (producer_value,) if is_producer else ()
+        if is_producer and producer_value not in self.defined_in:
+            raise AssertionError(f"rank {self.rank}: {producer_value} is sent before it is made")
+        shapes = tuple(r.local_shape for d, r in ad.producers if d == self.rank)
+        # floats travel in the run's dtype, chosen when the program runs (a compiled program
+        # serves float32 and float64 runs alike); integers as they are
+        dtype = "float" if ad.dtype.is_floating_point else str(ad.dtype).removeprefix("torch.")
+        comm = Comm(eid, mb, False, ins, outs, shapes, dtype, fwd, grad=_has_grad(ad), span=span)
+        self._close_region()
+        self.out.append(comm)
+        if _has_grad(ad) and is_producer:
+            src = self.defined_in[producer_value]
+            if producer_value not in src.roots:
+                src.roots.append(producer_value)
+        self.forward_items[unit].append(_Point(comm, key))
+        self._new_segment(unit, span)
+        for o in outs:
+            self._define(o, unit)
+            self.leaves.add(o)
+            if _has_grad(ad):
+                self.uncollected.add(o)
+        return outs[0] if outs else None
+
+    def _edge_span(self, edge: Edge, part: Part | None) -> Span | None:
+        mine = self.c.placed.get((edge.op, self.rank)) or part
+        for p in (mine, self.c.placed.get((self.c.producer[edge.tensor].name, self.rank)),
+                  self.t.parts[edge.op][0]):
+            if p is not None and (p.assigned_at or p.span) is not None:
+                return p.assigned_at or p.span
+        return None
+
+    def _call(self, op: Op, part: Part, local: Sequence[str | None], unit: str, mb: int) -> None:
+        ins = tuple(None if v is None else self._use(v, unit) for v in local)
+        span = self.c.recompute.get(op.name)
+        if span is not None and self.region_start is None:
+            self.region_start = len(self.out)
+            self.region_span = span
+            self.out.append(RecomputeBegin((), (), span=span))
+        elif span is None:
+            self._close_region()
+        outs = tuple(f"{x}@{mb}" for x in op.outputs)
+        is_loss = self.graph.output in op.outputs
+        self.out.append(Call(op.name, part.index, outs, ins, part.sub.local,
+                             op.returns == "list", is_loss,
+                             is_loss and not any(part.replica_index),
+                             span=part.span or part.assigned_at))
+        for o in outs:
+            self._define(o, unit)
+        if is_loss:
+            self.seg.seeds.append(outs[op.outputs.index(self.graph.output)])
+
+    # -- recompute regions ----------------------------------------------------------------------------
+    def _close_region(self) -> None:
+        if self.region_start is not None:
+            self.out.append(RecomputeEnd(span=self.region_span))
+            self.region_start = None
+
+    # -- backward ---------------------------------------------------------------------------------
+    def _backward(self, unit: str, stage: int, mb: int, span: Span | None) -> None:
+        forward = f"{stage}F{mb}"
+        items = self.forward_items.get(forward)
+        if items is None:
+            return  # the checker names a backward without its forward
+        for item in reversed(items):
+            if isinstance(item, _Segment):
+                if item.seeds or item.roots:
+                    self.out.append(Backward(tuple(item.seeds), tuple(item.roots),
+                                             tuple(item.collect), span=item.span or span))
+            else:
+                self._backward_comm(item)
+        self.out.append(Free(tuple(self.made.get(forward, ())), span=span))
+
+    def _backward_comm(self, point: _Point) -> None:
+        c = point.comm
+        ad = self.m.edges[point.key].adapter
+        if not _has_grad(ad):
+            return
+        base = c.edge * self.t.microbatches + c.mb
+        steps = localize(ad.backward, self.rank, 2 * base + 1)
+        shapes = tuple(r.local_shape for d, r in ad.consumers if d == self.rank)
+        self.out.append(Comm(c.edge, c.mb, True, c.outs, c.ins, shapes, c.dtype, steps,
+                             span=c.span))
+
+
+def _split_unit(unit: str) -> tuple[int, str, int]:
+    for i, ch in enumerate(unit):
+        if ch.isalpha():
+            return int(unit[:i]), ch, int(unit[i + 1:])
+    raise ValueError(f"not a unit: {unit!r}")
+
+
+def _fill_recompute(out: list[Any]) -> list[Any]:
+    """Give each ``RecomputeBegin`` the values its region reads from outside and the values it
+    makes that anything after it reads; drop regions without calls."""
+    used_at: dict[str, list[int]] = {}
+    for i, ins in enumerate(out):
+        for v in reads(ins):
+            used_at.setdefault(v, []).append(i)
+        if isinstance(ins, Comm) and ins.backward:
+            for v in ins.ins:
+                used_at.setdefault(v, []).append(i)
+    result = list(out)
+    i = 0
+    while i < len(result):
+        if isinstance(result[i], RecomputeBegin):
+            j = i + 1
+            while not isinstance(result[j], RecomputeEnd):
+                j += 1
+            inside = result[i + 1:j]
+            made = {v for x in inside for v in writes(x)}
+            ins = tuple(dict.fromkeys(v for x in inside for v in reads(x) if v not in made))
+            outs = tuple(v for x in inside for v in writes(x)
+                         if any(k > j for k in used_at.get(v, ())))
+            result[i] = attrs.evolve(result[i], ins=ins, outs=outs)
+            i = j
+        i += 1
+    return result

@@ -1,0 +1,333 @@
+"""The instructions of a per-rank program (phase 7, lower).
+
+A rank's program is a flat tuple of these frozen values; nothing about what the rank does is
+decided after lowering. Values are named by strings (``'h_0_add@1'``: tensor ``h_0_add`` of
+micro-batch 1); every instruction names the values it reads and writes, so the checker can follow
+data without running anything.
+
+Forward instructions build an autograd graph that is *cut* at every communication point (each
+``Comm`` output is a new leaf) and at every segment boundary (``Cut``); backward is explicit:
+``Backward`` runs autograd over one segment, and backward ``Comm`` instructions move the
+gradients between segments in a fixed order, so the order of backward communication is part of
+the program, not autograd's choice.
+
+Communication steps are *localized*: a ``Comm`` lists only what this rank does, each collective
+with its group, each message with its peer and tag.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+
+from ssdsl.ir.region import Region
+from ssdsl.ops.core import LocalCall
+from ssdsl.source import Span
+
+# -- localized communication steps --------------------------------------------------------------
+
+# collective kinds that move data between the members of a group (chunk and zero_split are local)
+MOVING = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
+
+
+@attrs.frozen
+class Coll:
+    """One collective (or local group op: chunk, zero_split) this rank runs with ``group``."""
+
+    kind: str
+    group: tuple[int, ...]
+    dim: int = 0
+    cat_dim: int = 0
+    split_dim: int = 0
+
+    @property
+    def meets(self) -> bool:
+        """Whether the members must meet (it moves data): chunk and zero_split are local."""
+        return self.kind in MOVING and len(self.group) > 1
+
+
+@attrs.frozen
+class Msg:
+    """One message of a point-to-point step: ``send`` of ``region`` from source slot
+    ``src_slot`` to ``peer``, ``recv`` of it from ``peer`` into target slot ``dst_slot``, or a
+    local ``copy``. ``tag`` pairs a send with its receive."""
+
+    kind: str  # "send" | "recv" | "copy"
+    peer: int
+    tag: int
+    src_slot: int
+    dst_slot: int
+    region: Region
+
+
+@attrs.frozen
+class P2P:
+    """This rank's part of a point-to-point step: its source and target slot regions and its
+    messages (sends never block; receives are waited for before the step ends)."""
+
+    sources: tuple[Region, ...]
+    targets: tuple[Region, ...]
+    msgs: tuple[Msg, ...]
+
+
+LocalStep = Coll | P2P
+
+
+def moves(steps: tuple[LocalStep, ...]) -> bool:
+    """Whether ``steps`` exchange anything with another rank."""
+    return any(s.meets if isinstance(s, Coll) else any(m.kind != "copy" for m in s.msgs)
+               for s in steps)
+
+
+# -- instructions -------------------------------------------------------------------------------
+
+
+def _span() -> Any:
+    return attrs.field(default=None, kw_only=True)
+
+
+@attrs.frozen
+class Begin:
+    """Start of unit ``unit`` (``'0F1'``: stage 0, forward, micro-batch 1)."""
+
+    kind: ClassVar[str] = "begin"
+    unit: str
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class End:
+    """End of unit ``unit``."""
+
+    kind: ClassVar[str] = "end"
+    unit: str
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class TakeInput:
+    """``out`` = ``region`` of micro-batch box ``box`` (None: the whole) of batch input ``index``."""
+
+    kind: ClassVar[str] = "input"
+    out: str
+    index: int
+    box: Region | None
+    region: Region
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class TakeParam:
+    """``out`` = this rank's shard ``region`` of parameter ``tensor``; its gradient counts
+    ``scale`` times (one replica's share)."""
+
+    kind: ClassVar[str] = "param"
+    out: str
+    tensor: str
+    region: Region
+    scale: float = 1.0
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class TakeBuffer:
+    """``out`` = this rank's ``region`` of a buffer or constant ``tensor`` (no gradient)."""
+
+    kind: ClassVar[str] = "buffer"
+    out: str
+    tensor: str
+    region: Region
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class Call:
+    """``outs`` = the local ATen call ``call`` of part ``part`` of operator ``op`` on ``ins``
+    (``None``: an input this part does not read). ``loss``: ``outs[0]`` is a loss part (a seed of
+    backward); ``count``: it is counted once in the step's loss (not a replica)."""
+
+    kind: ClassVar[str] = "call"
+    op: str
+    part: tuple[int, ...]
+    outs: tuple[str, ...]
+    ins: tuple[str | None, ...]
+    call: LocalCall
+    listy: bool = False
+    loss: bool = False
+    count: bool = False
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class Cut:
+    """``out`` = a detached leaf copy of ``src`` (made in an earlier segment); after the backward
+    of this segment, its gradient is added to ``src``'s."""
+
+    kind: ClassVar[str] = "cut"
+    out: str
+    src: str
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class LocalAdapter:
+    """Edge ``edge``'s adapter where this rank exchanges nothing with others, in either
+    direction: ``outs`` from ``ins`` by ``steps``, differentiable (backward: ``back``)."""
+
+    kind: ClassVar[str] = "local"
+    edge: int
+    ins: tuple[str, ...]
+    outs: tuple[str, ...]
+    steps: tuple[LocalStep, ...]
+    back: tuple[LocalStep, ...]
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class Comm:
+    """This rank's steps of edge ``edge``'s adapter (``backward``: its gradient adapter) on
+    micro-batch ``mb``. Forward: ``ins`` are values, ``outs`` new leaves (requiring a gradient when
+    ``grad``). Backward: ``ins`` name the forward outputs whose gradients are sent (zeros when none
+    arrived), ``outs`` the forward inputs whose gradients are received (added up). ``shapes`` are
+    the local shapes of what ``ins`` hold."""
+
+    kind: ClassVar[str] = "comm"
+    edge: int
+    mb: int
+    backward: bool
+    ins: tuple[str, ...]
+    outs: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    steps: tuple[LocalStep, ...]
+    grad: bool = False
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class Backward:
+    """Autograd over one segment: from ``seeds`` (loss parts, gradient one) and ``roots`` (values
+    whose gradient the table holds), then each ``(leaf, into)`` of ``collect`` adds the leaf's
+    gradient to ``into``'s entry of the table."""
+
+    kind: ClassVar[str] = "backward"
+    seeds: tuple[str, ...]
+    roots: tuple[str, ...]
+    collect: tuple[tuple[str, str], ...]
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class RecomputeBegin:
+    """The calls up to ``RecomputeEnd`` keep no activations: backward runs them again from
+    ``ins``; ``outs`` are what later instructions read."""
+
+    kind: ClassVar[str] = "recompute"
+    ins: tuple[str, ...]
+    outs: tuple[str, ...]
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class RecomputeEnd:
+    kind: ClassVar[str] = "end_recompute"
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class Free:
+    """Drop ``values`` (a unit's activations after its backward)."""
+
+    kind: ClassVar[str] = "free"
+    values: tuple[str, ...]
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class WaitSends:
+    """Wait for every send still in flight."""
+
+    kind: ClassVar[str] = "wait_sends"
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class ReduceBucket:
+    """All-reduce over ``group`` the gradients of ``entries`` (weight tensor, region), flattened."""
+
+    kind: ClassVar[str] = "reduce"
+    bucket: int
+    group: tuple[int, ...]
+    entries: tuple[tuple[str, Region], ...]
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class LossSum:
+    """All-reduce over ``group`` of the loss parts this rank counts: the step's loss."""
+
+    kind: ClassVar[str] = "loss_sum"
+    group: tuple[int, ...]
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class OptimizerStep:
+    """Step the optimizer on this rank's shards (missing gradients count as zeros)."""
+
+    kind: ClassVar[str] = "step"
+    span: Span | None = _span()
+
+
+Instr = (Begin | End | TakeInput | TakeParam | TakeBuffer | Call | Cut | LocalAdapter | Comm
+         | Backward | RecomputeBegin | RecomputeEnd | Free | WaitSends | ReduceBucket | LossSum
+         | OptimizerStep)
+
+INSTRUCTIONS: tuple[type, ...] = (Begin, End, TakeInput, TakeParam, TakeBuffer, Call, Cut,
+                                  LocalAdapter, Comm, Backward, RecomputeBegin, RecomputeEnd, Free,
+                                  WaitSends, ReduceBucket, LossSum, OptimizerStep)
+BY_KIND: dict[str, type] = {c.kind: c for c in INSTRUCTIONS}
+
+
+def reads(ins: Any) -> tuple[str, ...]:
+    """The values ``ins`` reads (for the checker and for recompute segments)."""
+    if isinstance(ins, Call):
+        return tuple(x for x in ins.ins if x is not None)
+    if isinstance(ins, (LocalAdapter, Comm)) and not getattr(ins, "backward", False):
+        return ins.ins
+    if isinstance(ins, Cut):
+        return (ins.src,)
+    if isinstance(ins, Backward):
+        return ins.seeds + ins.roots + tuple(leaf for leaf, _ in ins.collect)
+    if isinstance(ins, RecomputeBegin):
+        return ins.ins
+    return ()
+
+
+def writes(ins: Any) -> tuple[str, ...]:
+    """The values ``ins`` defines."""
+    if isinstance(ins, (TakeInput, TakeParam, TakeBuffer, Cut)):
+        return (ins.out,)
+    if isinstance(ins, (Call, LocalAdapter)):
+        return ins.outs
+    if isinstance(ins, Comm) and not ins.backward:
+        return ins.outs
+    return ()
+
+
+@attrs.frozen
+class Program:
+    """One rank's whole training step, in order."""
+
+    rank: int
+    world: int
+    instructions: tuple[Any, ...]
+
+    def __len__(self) -> int:
+        return len(self.instructions)
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        """The units this rank runs, in order (``'0F1'``...)."""
+        return tuple(i.unit for i in self.instructions if isinstance(i, Begin))

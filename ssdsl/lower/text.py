@@ -1,0 +1,144 @@
+"""The text form of per-rank programs: one instruction per line, read back by ``parse_program``.
+
+Each line is ``kind(field=value, ...)`` with fields that differ from their default, values
+written as Python literals plus a few constructors (``R`` a region, ``S`` a call slot,
+``LocalCall``, ``Coll``, ``P2P``, ``Msg``, ``Span``, ``torch.float32``...). The head line names
+the rank and the world. ``parse_program(program_text(p)) == p`` for every lowered program.
+
+    program rank 1 of 2
+    begin(unit='0F0', span=Span('1f1b.ssp', 9, 5, 9, 40))
+    comm(edge=3, mb=0, backward=False, ins=(), outs=('add>mm.0@0',), ...)
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from typing import Any
+
+import attrs
+import torch
+
+from ssdsl.errors import SsdslError
+from ssdsl.ir.region import Region
+from ssdsl.lower.instr import BY_KIND, Coll, Msg, P2P, Program
+from ssdsl.ops.core import LocalCall, Slot
+from ssdsl.source import Span
+
+
+class ProgramTextError(SsdslError):
+    """A program text that does not read back (a line that is not an instruction)."""
+
+
+_CLASSES: dict[str, Any] = {"LocalCall": LocalCall, "Coll": Coll, "P2P": P2P, "Msg": Msg,
+                            "Span": Span}
+
+
+def program_text(p: Program) -> str:
+    """The text form of ``p`` (ends with a newline)."""
+    lines = [f"program rank {p.rank} of {p.world}"]
+    lines += [instruction_text(i) for i in p.instructions]
+    return "\n".join(lines) + "\n"
+
+
+def instruction_text(ins: Any) -> str:
+    """One line: ``kind(field=value, ...)``, fields at their default left out."""
+    return f"{ins.kind}({_fields(ins)})"
+
+
+def _fields(obj: Any) -> str:
+    out = []
+    for f in attrs.fields(type(obj)):
+        v = getattr(obj, f.name)
+        if f.default is not attrs.NOTHING and not isinstance(f.default, attrs.Factory) \
+                and _same(v, f.default):
+            continue
+        out.append(f"{f.name}={_lit(v)}")
+    return ", ".join(out)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _lit(v: Any) -> str:
+    if isinstance(v, Slot):
+        return f"S({v.index})"
+    if isinstance(v, Region):
+        return f"R({_lit(v.shape)}, {_lit(v.intervals)}, {_lit(v.part)})"
+    if isinstance(v, Span):
+        return f"Span({v.file!r}, {v.line}, {v.column}, {v.end_line}, {v.end_column})"
+    if isinstance(v, (LocalCall, Coll, P2P, Msg)):
+        return f"{type(v).__name__}({_fields(v)})"
+    if isinstance(v, tuple):
+        inner = ", ".join(_lit(x) for x in v)
+        return f"({inner},)" if len(v) == 1 else f"({inner})"
+    if isinstance(v, list):
+        return "[" + ", ".join(_lit(x) for x in v) + "]"
+    if isinstance(v, float) and not math.isfinite(v):
+        return f"float('{v}')"
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return repr(v)
+    if isinstance(v, torch.device):
+        return f"device({str(v)!r})"
+    if isinstance(v, (torch.dtype, torch.memory_format, torch.layout)):
+        return str(v)
+    raise TypeError(f"no text form for {v!r} ({type(v).__name__})")
+
+
+def parse_program(text: str, *, name: str = "<program>") -> Program:
+    """Read the form ``program_text`` writes."""
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if not lines:
+        raise ProgramTextError(f"{name}: empty program text")
+    head = lines[0].split()
+    if len(head) != 5 or head[:2] != ["program", "rank"] or head[3] != "of":
+        raise ProgramTextError(f"{name}:1: expected 'program rank R of W', got {lines[0]!r}")
+    instructions = tuple(parse_instruction(ln, where=f"{name}:{i + 2}")
+                         for i, ln in enumerate(lines[1:]))
+    return Program(int(head[2]), int(head[4]), instructions)
+
+
+def parse_instruction(line: str, *, where: str = "<line>") -> Any:
+    """One instruction from its line."""
+    try:
+        node = ast.parse(line.strip(), mode="eval").body
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in BY_KIND and not node.args):
+            raise ValueError("not kind(field=value, ...)")
+        cls = BY_KIND[node.func.id]
+        return cls(**{k.arg: _eval(k.value) for k in node.keywords})
+    except (SyntaxError, ValueError, TypeError) as err:
+        raise ProgramTextError(f"{where}: cannot read instruction {line.strip()!r}: {err}") \
+            from None
+
+
+def _eval(node: ast.AST) -> Any:
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Tuple):
+        return tuple(_eval(e) for e in node.elts)
+    if isinstance(node, ast.List):
+        return [_eval(e) for e in node.elts]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval(node.operand)
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+            and node.value.id == "torch":
+        value = getattr(torch, node.attr, None)
+        if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
+            return value
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        fn = node.func.id
+        args = [_eval(a) for a in node.args]
+        kwargs = {k.arg: _eval(k.value) for k in node.keywords}
+        if fn == "S":
+            return Slot(*args)
+        if fn == "R":
+            return Region(*args)
+        if fn == "float" and len(args) == 1 and isinstance(args[0], str):
+            return float(args[0])
+        if fn == "device":
+            return torch.device(*args)
+        if fn in _CLASSES:
+            return _CLASSES[fn](*args, **kwargs)
+    raise ValueError(f"unexpected {ast.dump(node)[:60]}")

@@ -1,0 +1,76 @@
+"""Every rank's program in one process: the in-process backend of the one walk.
+
+``SimRunner`` is a ``Runner`` whose meetings yield to ``ssdsl.lower.walk.Exchange``: sends go to
+its mailbox, receives and collectives wait there until their peers arrive, and collectives are
+computed from every member's contribution (``ssdsl.runtime.comm.combine``). ``simulate_programs``
+runs one training step of all ranks this way, without an optimizer step, and returns the loss
+and every rank's reduced weight gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from ssdsl.ir.region import Region
+from ssdsl.lower import Program, Wait, run_all, walk
+from ssdsl.lower.walk import Exchange
+from ssdsl.materialize.program import Materialized
+from ssdsl.runtime.comm import combine
+from ssdsl.runtime.executor import Runner, init_state
+from ssdsl.runtime.reference import to_dtype
+from ssdsl.trace.model_file import ModelFile
+
+LeafKey = tuple[str, Region]
+
+
+class SimRunner(Runner):
+    """A rank's handlers whose communication meets the other ranks in this process."""
+
+    def __init__(self, *args: Any, exchange: Exchange, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.exchange = exchange
+
+    def meet(self, w: Wait) -> Iterator[Wait]:
+        yield w
+
+    def post(self, msg, piece: torch.Tensor, ins: Any) -> None:
+        self.exchange.send(self.rank, msg, ins, payload=piece.clone(),
+                           shape=tuple(piece.shape))
+
+
+@attrs.frozen(eq=False)
+class Simulation:
+    """One simulated training step: the loss, and every device's reduced weight gradients."""
+
+    loss: float
+    grads: Mapping[int, Mapping[LeafKey, torch.Tensor]]
+
+
+def simulate_programs(m: Materialized, programs: Sequence[Program], model: torch.nn.Module,
+                      batch: tuple[torch.Tensor, ...]) -> Simulation:
+    """Run ``programs`` (one per rank) on ``batch`` with shards of ``model``, all in this
+    process; the optimizer does not step."""
+    exchange = Exchange(combine)
+    batch = tuple(to_dtype(tuple(batch), m.dtype))
+    runners = {}
+    for p in programs:
+        r = SimRunner(p.rank, init_state(m, p.rank, model), dtype=m.dtype, exchange=exchange)
+        r.start(batch)
+        runners[p.rank] = r
+    run_all({p.rank: walk(p, runners[p.rank]) for p in programs}, exchange)
+    loss = next(r.loss_total for r in runners.values() if r.loss_total is not None)
+    grads = {rank: {k: v.grad.detach().clone() for k, v in r.state.leaves.items()}
+             for rank, r in runners.items() if r.state.leaves}
+    return Simulation(loss, grads)
+
+
+def simulate_model_file(m: Materialized, programs: Sequence[Program], model_file: ModelFile, *,
+                        seed: int = 0, batch_size: int | None = None) -> Simulation:
+    """``simulate_programs`` on the seeded model (in ``m.dtype``) and ``get_batch(0, ...)``."""
+    model = model_file.build(seed=seed).to(m.dtype)
+    inputs, target = model_file.get_batch(0, batch_size)
+    return simulate_programs(m, programs, model, (*inputs, target))

@@ -1,0 +1,160 @@
+"""One training step of a model file, tried in the planning process before anything else uses it.
+
+``try_training_step`` runs the forward, the loss and the backward once on the ``meta`` device (no
+memory, no arithmetic) and checks what the contract asks of each: the forward returns one
+floating tensor, the loss is a floating scalar that depends on the parameters, the model has
+parameters to train. A rank would otherwise be the first to hit these faults, deep inside the
+distributed program; here they are reported at the model file's line (the function whose
+result is wrong, or the line that raised).
+
+``quiet_torch_logs`` silences torch's own logging (fake-tensor tracebacks, FX graph dumps) while
+a model is traced, so that one error prints one message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ssdsl.trace.model_file import (ModelFile, ModelFileContract, ModelFileRaised, _describe,
+                                    _kind, def_span, locate_in)
+
+_TORCH_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx", "torch._dynamo", "torch.export",
+                  "torch._export", "torch._functorch", "torch._inductor", "torch.fx.experimental",
+                  "torch._guards", "torch.utils._sympy")
+
+
+class ModelFileNoParameters(ModelFileContract):
+    """``build_model()`` returned a model without trainable parameters."""
+
+
+class ModelFileBadOutput(ModelFileContract):
+    """The forward returned something other than one floating tensor."""
+
+
+class ModelFileBadLoss(ModelFileContract):
+    """The loss is not a floating scalar that depends on the parameters."""
+
+
+@contextlib.contextmanager
+def quiet_torch_logs() -> Iterator[None]:
+    """Raise torch's tracing loggers to CRITICAL for the duration (restored after)."""
+    saved = []
+    for name in _TORCH_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.level))
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in saved:
+            logger.setLevel(level)
+
+
+def try_training_step(mf: ModelFile, model: torch.nn.Module,
+                      batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> None:
+    """Forward, loss and backward of ``model`` (built on ``meta``) on ``batch``; raise a
+    ``ModelFileError`` subclass, located in the model file, for the first fault.
+
+    Faults of the meta device itself (an operator without a meta kernel, a value-dependent
+    operation) are not the model file's: they are left for the tracer, which reports them.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ModelFileNoParameters(
+            "build_model() returned a model with no trainable parameters: there is nothing to "
+            "train", def_span(mf.path, mf.build_model), file=mf.path,
+            hint="register weights as nn.Parameter (nn.Linear, nn.Embedding, ...); buffers and "
+                 "plain tensors are not trained")
+    inputs, target = (tuple(t.to("meta") for t in batch[0]), batch[1].to("meta"))
+    try:
+        with quiet_torch_logs():
+            _step(mf, model, inputs, target)
+    finally:
+        for p in params:
+            p.grad = None
+
+
+def _step(mf: ModelFile, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+          target: torch.Tensor) -> None:
+    forward = type(model).forward
+    out = _call(mf, "the model's forward", lambda: model(*inputs), def_span(mf.path, forward))
+    if out is _SKIP:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise ModelFileBadOutput(
+            f"the model's forward must return one tensor; it returned {_kind(out)}",
+            def_span(mf.path, forward), file=mf.path,
+            hint="wrap the model so that forward returns the logits tensor (examples/hf_llama.py "
+                 "does this for a model that returns a dict)")
+    if not out.is_floating_point():
+        raise ModelFileBadOutput(
+            f"the model's forward returned {_kind(out)}: integers cannot carry gradients",
+            def_span(mf.path, forward), file=mf.path,
+            hint="return the floating logits; take argmax (if at all) outside the model")
+    where = def_span(mf.path, mf.loss)
+    loss = _call(mf, "the loss", lambda: mf.loss(out, target), where)
+    if loss is _SKIP:
+        return
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        why = " (a loss with reduction='none'? use 'mean' or 'sum')" \
+            if isinstance(loss, torch.Tensor) else ""
+        raise ModelFileBadLoss(f"loss(output, target) must return a scalar tensor; it returned "
+                               f"{_kind(loss)}{why}", where, file=mf.path)
+    if not loss.is_floating_point():
+        raise ModelFileBadLoss(f"loss(output, target) returned {_kind(loss)}; a loss is floating",
+                               where, file=mf.path)
+    if not loss.requires_grad:
+        raise ModelFileBadLoss("the loss does not depend on any parameter (it has no gradient)",
+                               where, file=mf.path,
+                               hint="compute the loss from the model's output without .detach(),"
+                                    " torch.no_grad() or .item()")
+    _call(mf, "the backward pass", lambda: loss.reshape(()).backward(), None)
+
+
+_SKIP = object()
+
+
+def _call(mf: ModelFile, what: str, fn: Any, fallback: Any) -> Any:
+    """``fn()``; an exception it raises becomes ``ModelFileRaised`` at the model file's line
+    that raised it, else at ``fallback`` (the function that was called)."""
+    try:
+        return fn()
+    except Exception as exc:
+        span = locate_in(mf.path, exc)
+        if _meta_limitation(exc):
+            if span is None or not _raised_by_model_file(mf.path, exc):
+                return _SKIP  # inside a library: the tracer says whether it can go on
+            raise ModelFileRaised(
+                f"{what} needs tensor values at this line ({_describe(exc)})", span,
+                file=mf.path, hint="ssdsl plans on shapes only (meta and fake tensors): "
+                "no .item(), .tolist() or value-dependent Python in forward and loss; create "
+                "tensors on the input's device (device=x.device)") from exc
+        span = span or fallback
+        raise ModelFileRaised(f"{what} raised {_describe(exc)}", span, file=mf.path,
+                              hint="tried once on the meta device (shapes only) before planning"
+                              ) from exc
+
+
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+
+
+def _raised_by_model_file(path: str, exc: BaseException) -> bool:
+    """Whether the innermost frame outside torch itself is the model file's (its own
+    ``.item()``), rather than a library it calls (transformers' may read values on meta)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(_TORCH_DIR)]
+    return bool(frames) and Path(frames[-1].filename).resolve() == Path(path).resolve()
+
+
+def _meta_limitation(exc: Exception) -> bool:
+    """A fault of running on ``meta`` rather than of the model (no kernel, a value needed)."""
+    text = str(exc).lower()
+    return isinstance(exc, NotImplementedError) or "meta" in text or "data-dependent" in text \
+        or "item()" in text

@@ -1,0 +1,231 @@
+"""The cost model against formulas computed here, independently of ssdsl.cost's code paths:
+textbook FLOPs of products and attention, alpha-beta collective times, the analytic 1F1B bubble,
+and parameter/optimizer bytes counted from the torch model itself."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssdsl.cost import Cluster, CostOptions, estimate, profile, simulate_costs
+from ssdsl.cost.collectives import Link
+from ssdsl.cost.ops import work_of
+from ssdsl.cost.profiles import DeviceProfile
+from ssdsl.cost.work import PlanCosts, StaticMemory, UnitCost, step_times
+from ssdsl.elaborate import elaborate_file
+from ssdsl.materialize.program import materialize
+from ssdsl.materialize.steps import AllGather, AllReduce, Message, PointToPoint
+from ssdsl.ir.region import Region
+from ssdsl.runtime.job import schedule_plan
+from ssdsl.schedule.builders import gpipe, one_f_one_b
+from ssdsl.trace import trace
+from ssdsl.trace.model_file import load_model_file
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+B, T, C, H, V = 2, 8, 16, 4, 32
+
+MODEL = textwrap.dedent(f"""
+    import torch, torch.nn as nn, torch.nn.functional as F
+    BATCH_SIZE = {B}
+    INPUT_DIMS = (("batch", "seq", "feat"),)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear({C}, {3 * C})
+            self.head = nn.Linear({C}, {V}, bias=False)
+        def forward(self, x):
+            q, k, v = self.qkv(x).split({C}, dim=2)
+            q, k, v = (t.view({B}, {T}, {H}, {C // H}).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v)
+            y = y.transpose(1, 2).reshape({B}, {T}, {C})
+            s = torch.matmul(y, y.transpose(1, 2))      # (B, T, T)
+            return self.head(torch.matmul(s, y))
+
+    def build_model():
+        return M()
+
+    def get_batch(step, batch_size):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(batch_size, {T}, {C}, generator=g), torch.randint(0, {V}, (batch_size, {T}), generator=g)
+
+    def loss(out, target):
+        return F.cross_entropy(out.reshape(-1, {V}), target.reshape(-1))
+""")
+
+FLAT = DeviceProfile(name="flat", peak={"float32": 1e12}, memory=1e12, memory_bw=1e11,
+                     intra_bw=1e10, intra_latency=1e-5, inter_bw=1e9, inter_latency=1e-4,
+                     per_node=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_graph(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cost") / "tiny.py"
+    path.write_text(MODEL)
+    return trace(load_model_file(path), device="meta")
+
+
+def _works(graph, kind: str, plan: str = "dp", world: int = 1):
+    t, _ = schedule_plan(graph, elaborate_file(plan, world=world, sets={}))
+    out = []
+    for op in graph.ops:
+        if op.kind == kind:
+            for part in t.parts[op.name]:
+                out.append(work_of(graph, op, t.annotations[op.name], part, itemsize=4,
+                                   flash=False))
+    return out
+
+
+def test_linear_flops_are_2mnk(tiny_graph):
+    flops = sorted(w.flops for w in _works(tiny_graph, "linear"))
+    assert flops == sorted([2 * B * T * C * 3 * C, 2 * B * T * C * V])
+
+
+def test_matmul_flops_are_2mnk_per_batch(tiny_graph):
+    flops = sorted(w.flops for w in _works(tiny_graph, "matmul"))
+    assert flops == sorted([2 * B * T * C * T, 2 * B * T * T * C])
+
+
+def test_sdpa_flops_are_its_two_products(tiny_graph):
+    (w,) = _works(tiny_graph, "sdpa")
+    d = C // H
+    assert w.flops == 2 * (2 * B * H * T * T * d)
+    assert w.bwd_flops == 2 * w.flops
+
+
+def test_dp_halves_the_flops_of_each_part(tiny_graph):
+    whole = sum(w.flops for w in _works(tiny_graph, "linear"))
+    halves = [w.flops for w in _works(tiny_graph, "linear", "dp", 2)]
+    assert len(halves) == 4 and sum(halves) == whole
+
+
+LINK = Link(alpha=3e-5, beta=2e9)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_all_reduce_time_is_the_ring_formula(p):
+    per_member = 64 << 20  # big enough that the ring beats the tree
+    total = p
+    step = AllReduce(groups=(tuple(range(p)),), nbytes=2 * total * (p - 1) * per_member // p)
+    prof = DeviceProfile(name="x", peak={"float32": 1.0}, memory=1, memory_bw=1, intra_bw=2e9,
+                         intra_latency=3e-5, inter_bw=1, inter_latency=1, per_node=8)
+    opts = CostOptions(profile=prof, cluster=Cluster(p, 8))
+    times = step_times(step, 4, opts)
+    expect = 2 * (p - 1) * (3e-5 + per_member / (p * 2e9))
+    assert set(times) == set(range(p))
+    assert all(math.isclose(t, expect, rel_tol=1e-12) for t in times.values())
+
+
+def test_all_gather_across_nodes_uses_the_network_shared_by_the_rings():
+    # two groups of 2, each spanning nodes {0, 1} (2 devices per node): each node's network is
+    # shared by both rings
+    piece = 1 << 20
+    step = AllGather(groups=((0, 2), (1, 3)), nbytes=4 * 1 * piece)
+    opts = CostOptions(profile=FLAT, cluster=Cluster(4, 2))
+    times = step_times(step, 4, opts)
+    expect = 1 * (1e-4 + piece / (1e9 / 2))
+    assert all(math.isclose(t, expect, rel_tol=1e-12) for t in times.values())
+
+
+def test_point_to_point_is_alpha_plus_bytes_over_beta():
+    region = Region((4, 256), (((0, 4),), ((0, 256),)))
+    step = PointToPoint(sources=(), targets=(), messages=(Message(0, 0, 1, 0, region),),
+                        nbytes=4 * 256 * 4)
+    times = step_times(step, 4, CostOptions(profile=FLAT, cluster=Cluster(2, 4)))
+    assert times == {0: pytest.approx(1e-5 + 4096 / 1e10), 1: pytest.approx(1e-5 + 4096 / 1e10)}
+
+
+def _uniform(schedule, fwd=1.0, bwd=2.0) -> PlanCosts:
+    p = schedule.num_devices
+    units = {(d, s): UnitCost(fwd_compute=fwd, bwd_compute=bwd)
+             for s, d in enumerate(schedule.stages.devices)}
+    zero = {d: 0.0 for d in range(p)}
+    return PlanCosts(units, {}, {}, zero, zero, {d: StaticMemory(0, 0, 0) for d in range(p)},
+                     tuple(range(p)))
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (4, 4), (3, 7), (8, 16)])
+@pytest.mark.parametrize("builder", [one_f_one_b, gpipe])
+def test_pipeline_bubble_is_analytic(builder, p, m):
+    s = builder(p, m)
+    opts = CostOptions(profile=FLAT, cluster=Cluster(p, 8))
+    r = simulate_costs(_uniform(s), s, tuple((d,) for d in range(p)), opts)
+    assert r.bubble == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
+    assert r.makespan == pytest.approx(3.0 * (m + p - 1))
+
+
+def test_1f1b_keeps_at_most_p_minus_s_microbatches():
+    p, m = 4, 8
+    s = one_f_one_b(p, m)
+    costs = _uniform(s)
+    units = {k: UnitCost(fwd_compute=1.0, bwd_compute=2.0, activations=100.0)
+             for k in costs.units}
+    costs = PlanCosts(units, {}, {}, costs.reducer, costs.optimizer, costs.memory, costs.devices)
+    opts = CostOptions(profile=FLAT, cluster=Cluster(p, 8))
+    r = simulate_costs(costs, s, tuple((d,) for d in range(p)), opts)
+    assert [d.peak_activations for d in r.devices] == [100.0 * (p - d) for d in range(p)]
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    mf = load_model_file(EXAMPLES / "gpt.py")
+    model = mf.build(seed=0)
+    return mf, model, trace(mf, device="meta")
+
+
+def _report(graph, plan: str, world: int, optimizer: str):
+    t, lowered = schedule_plan(graph, elaborate_file(plan, world=world, sets={}))
+    m = materialize(t, schedule=lowered)
+    return estimate(m, CostOptions(profile=FLAT, cluster=Cluster(world, 8), optimizer=optimizer))
+
+
+def test_dp_holds_every_parameter_on_every_device(gpt):
+    _, model, graph = gpt
+    numel = sum(p.numel() for p in model.parameters())
+    r = _report(graph, "dp", 2, "adamw")
+    for d in r.devices:
+        assert d.static.params == 4 * numel
+        assert d.static.grads == 4 * numel
+        assert d.static.optimizer == 2 * 4 * numel  # AdamW: two fp32 moments
+
+
+def test_megatron_tp_shards_the_block_linears(gpt):
+    _, model, graph = gpt
+    tp = 2
+    expect = [0, 0]
+    for name, p in model.named_parameters():
+        n = p.numel()
+        column = ".attn.c_attn." in name or ".mlp.c_fc." in name
+        row = ".attn.c_proj." in name or ".mlp.c_proj." in name
+        if column or (row and name.endswith("weight")):
+            per = [n // tp] * tp
+        elif row:  # a row-parallel bias is added once, by the first part
+            per = [n, 0]
+        else:
+            per = [n] * tp
+        expect = [e + q for e, q in zip(expect, per)]
+    r = _report(graph, "megatron_tp", tp, "sgd")
+    assert [d.static.params for d in r.devices] == [4 * e for e in expect]
+    assert [d.static.optimizer for d in r.devices] == [0, 0]  # plain SGD keeps no state
+
+
+def test_cli_prints_json_for_every_device(capsys):
+    import json
+
+    from ssdsl.cli import main
+    assert main(["cost", str(EXAMPLES / "gpt.py"), "dp", "--world", "2", "--device", "h100",
+                 "--optimizer", "sgd", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [d["device"] for d in data["devices"]] == [0, 1]
+    assert data["device"] == "h100" and data["step_time_s"] > data["pipeline_s"] > 0
+
+
+def test_cli_refuses_a_node_count_that_does_not_divide_the_world(capsys):
+    from ssdsl.cli import main
+    assert main(["cost", str(EXAMPLES / "gpt.py"), "dp", "--world", "3", "--nodes", "2"]) == 2
+    assert "--nodes 2 does not divide --world 3" in capsys.readouterr().err
