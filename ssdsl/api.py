@@ -35,7 +35,8 @@ from ssdsl.materialize.program import Materialized
 from ssdsl.runtime import checkpoint as ckpt
 from ssdsl.runtime import dist as sdist
 from ssdsl.runtime.executor import RankProgram, create_groups
-from ssdsl.runtime.job import DTYPES, JobSpec, plan_job
+from ssdsl.runtime.job import DTYPES, JobSpec, plan_job, plan_with_state
+from ssdsl.runtime.preflight import Verification, verify_before_launch
 from ssdsl.runtime.train import OptimizerSpec, autocast
 from ssdsl.trace.model_file import ModelFile, default_loss, default_optimizer
 
@@ -61,6 +62,8 @@ class ParallelModel:
         self.step = 0  # steps trained (continued by load_checkpoint)
         graph = materialized.transformed.graph
         self._shapes = [tuple(graph.tensors[n].shape) for n in graph.inputs]
+        # what verification before training found (set by ``parallelize``)
+        self.verification: Verification | None = None
 
     def train_step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...],
                    target: torch.Tensor) -> float:
@@ -127,7 +130,7 @@ def parallelize(model: str | Path | torch.nn.Module, plan: str, *,
                 input_dims: tuple[tuple[str, ...], ...] | None = None,
                 sets: Mapping[str, str] | None = None, seed: int = 0, dtype: str = "float32",
                 optimizer: str = "model", lr: float | None = None,
-                batch_size: int | None = None) -> ParallelModel:
+                batch_size: int | None = None, verify: bool = True) -> ParallelModel:
     """Plan ``model`` with ``plan`` (a ``.ssp`` path or stdlib name) for this job's ranks.
 
     ``model`` is a model file (path), or an ``nn.Module`` together with ``batch``: a function
@@ -139,6 +142,11 @@ def parallelize(model: str | Path | torch.nn.Module, plan: str, *,
     must call it with the same arguments. ``batch_size`` is the global batch the graph is traced
     with (default: the model file's ``BATCH_SIZE``, or the example's); ``train_step`` must be
     given batches of it.
+
+    Before anything trains, one step of all ranks is simulated in this process against the plain
+    model (``verify=False`` skips it); a difference raises ``TrainsDifferently`` on every rank,
+    and a plan that could not be verified says so in a warning (``pm.verification`` tells). A
+    module passed in is not verified yet: the warning says so.
     """
     if dtype not in DTYPES:
         raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
@@ -161,10 +169,21 @@ def parallelize(model: str | Path | torch.nn.Module, plan: str, *,
                          hint="pass the module itself, or the path of a model file")
     spec = JobSpec(name, plan, tuple((sets or {}).items()), batch_size=batch_size,
                    seed=seed, dtype=dtype, optimizer=optimizer, lr=lr)
-    mf, m, full = plan_job(spec, ctx.world_size, model_file=mf)
-    program = RankProgram(m, ctx.rank, mf, full, dtype=DTYPES[dtype],
+    if mf is None:
+        verification = verify_before_launch(spec, ctx.world_size, enabled=verify)
+        mf, m, source = plan_with_state(spec, ctx)  # this rank's shards only, never the model
+    else:
+        verification = Verification("not verified", "a module passed to parallelize is not "
+                                    "simulated before training yet (a model file is)")
+        mf, m, source = plan_job(spec, ctx.world_size, model_file=mf)
+    if not verification.verified and ctx.rank == 0:
+        import warnings
+        warnings.warn(f"ssdsl: {verification.line()}", stacklevel=2)
+    program = RankProgram(m, ctx.rank, mf, source, dtype=DTYPES[dtype],
                           optimizer=OptimizerSpec(optimizer, lr), groups=create_groups(m))
-    return ParallelModel(program, m, ctx, state_keys=list(full.state_dict()), spec=spec)
+    pm = ParallelModel(program, m, ctx, state_keys=ckpt.state_keys_of(mf, seed=seed), spec=spec)
+    pm.verification = verification
+    return pm
 
 
 def module_model_file(module: torch.nn.Module, *, batch: Callable[[int, int], Batch] | Batch | None,

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from ssdsl.ir.layout import Layout
 from ssdsl.ir.region import Region
 from ssdsl.materialize import Weight, plan_adapter, plan_grad_reducer
-from ssdsl.runtime import comm
+from ssdsl.runtime import adapters, comm
 from ssdsl.runtime.groups import ProcessGroups, groups_of
 
 WORLD = 4
@@ -52,7 +52,7 @@ def _check_adapter(rank, name, ad, contributions, groups):
     xs_full = {p: _full(10 + i) for i, p in enumerate(sorted({r.part for _, r in ad.producers}))}
     mine = [r for d, r in ad.producers if d == rank]
     xs = [r.slice_of(xs_full[r.part]).clone().requires_grad_(True) for r in mine]
-    out = comm.run_adapter(ad, rank, xs if len(xs) != 1 else xs[0], groups=groups)
+    out = adapters.run_adapter(ad, rank, xs if len(xs) != 1 else xs[0], groups=groups)
     value = sum(xs_full.values())
     cons = [r for d, r in ad.consumers if d == rank]
     outs = [] if not cons else [out] if len(cons) == 1 else list(out)
@@ -123,7 +123,7 @@ def _check_reducer(rank, groups, reducer):
     for b in reducer.buckets_of(rank):
         for name, reg in b.entries:
             grads[(name, reg)] = reg.slice_of(_full(60 + rank)).clone()
-    comm.reduce_gradients(reducer, rank, grads, groups=groups)
+    adapters.reduce_gradients(reducer, rank, grads, groups=groups)
     for b in reducer.buckets_of(rank):
         for name, reg in b.entries:
             want = reg.slice_of(sum(_full(60 + d) for d in b.devices))
@@ -185,7 +185,7 @@ def test_reducer_plan_by_hand():
         for d in b.devices:
             for e in b.entries:
                 sim[d][e] = e[1].slice_of(_full(60 + d)).clone()
-    comm.reduce_gradients(red, 0, {}, simulate=sim)
+    adapters.reduce_gradients(red, 0, {}, simulate=sim)
     for b in red.buckets:
         for e in b.entries:
             for d in b.devices:

@@ -4,7 +4,7 @@ import torch
 
 from ssdsl.ir.layout import Layout
 from ssdsl.materialize import plan_adapter
-from ssdsl.runtime.comm import run_adapter, simulate_adapter
+from ssdsl.runtime.adapters import run_adapter, simulate_adapter
 
 S = (4, 6)
 

@@ -21,7 +21,7 @@ EXPECT = re.compile(r"# expect: (\w+) (\d+):(\d+)(?: in (\S+))?")
 
 
 def _expectation(path: Path) -> tuple[str, int, int, str]:
-    m = EXPECT.match(path.read_text().splitlines()[0])
+    m = EXPECT.match(path.read_bytes().decode("utf-8", errors="replace").splitlines()[0])
     assert m, f"{path.name}: first line must be '# expect: Class LINE:COL'"
     return m.group(1), int(m.group(2)), int(m.group(3)), m.group(4) or path.name
 
@@ -30,11 +30,12 @@ def _first_error(path: Path) -> SsdslError:
     with pytest.raises(SsdslError) as info:
         elaborate(load_plan(str(path)), world=2)
     err = info.value
+    assert len(err.render().splitlines()) < 40, err.render()  # everything reported, not just one
     return err.errors[0] if isinstance(err, ErrorGroup) else err
 
 
 def test_corpus_is_large_enough():
-    assert len(FILES) >= 30
+    assert len(FILES) >= 140
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
@@ -48,6 +49,12 @@ def test_bad_plan(path: Path):
     rendered = err.render()
     assert rendered.startswith(f"{err.span.file}:{line}:{column}: ")
     assert "^" in rendered  # the source line with carets under the span
+    if file != path.name:  # a fault inside a used plan names the user's `use` line too
+        site = err.span.via
+        while site is not None and site.via is not None:  # the outermost `use`: the user's
+            site = site.via
+        assert site is not None and Path(site.file).name == path.name, rendered
+        assert f"note: in the plan used at {site.file}:" in rendered, rendered
 
 
 @pytest.mark.parametrize("path", FILES[:5], ids=[p.stem for p in FILES[:5]])
@@ -86,3 +93,78 @@ def test_independent_errors_are_all_reported_sorted(tmp_path: Path):
     positions = [(e.span.line, e.span.column, type(e).__name__) for e in info.value.errors]
     assert positions == [(2, 14, "DivisionByZero"), (3, 22, "DeviceOutOfRange"),
                          (5, 32, "WrongValue")]
+
+
+def _errors(text: str, tmp_path: Path, world: int = 2) -> list[SsdslError]:
+    plan = tmp_path / "user.ssp"
+    plan.write_text(text)
+    with pytest.raises(SsdslError) as info:
+        elaborate(load_plan(str(plan)), world=world)
+    err = info.value
+    return list(err.errors) if isinstance(err, ErrorGroup) else [err]
+
+
+@pytest.mark.parametrize("text", [
+    # a failed count: the `assign each part` that infers its indices from it is not blamed too
+    "plan p()\npartition all along batch into 1000000000\nassign each part i to device i\n",
+    # a failed microbatch: the order lines that name micro-batches are not blamed too
+    "plan p()\nmicrobatch along batch into 0\nstages into 2 as st\n"
+    "order on device 0: forward st[0] mb 0, forward st[0] mb 1\n"
+    "order forward st[0] mb 1 before forward st[1] mb 1\n",
+    # a failed mesh: its uses are not blamed too
+    "plan p()\nmesh m = grid(a=0)\nassign all to m[0]\nzero all over m[0]\n",
+    # a failed stage group: its uses are not blamed too
+    "plan p()\nstages into 0 as st\nassign st[0] to device 0\nrecompute st[1]\n",
+])
+def test_a_first_error_is_not_followed_by_its_consequences(text: str, tmp_path: Path):
+    errors = _errors(text, tmp_path)
+    assert [(e.span.line, e.span.column) for e in errors][:1] == [(2, errors[0].span.column)]
+    assert len(errors) == 1, "\n\n".join(e.render() for e in errors)
+
+
+def test_a_used_plan_stops_at_its_first_error(tmp_path: Path):
+    lib = tmp_path / "lib.ssp"
+    lib.write_text("plan lib()\nrequire world >= 4, \"lib needs 4\"\nassign all to q[0]\n"
+                   "assign all to device 7\n")
+    errors = _errors('plan p()\nreplicate all into 2\nuse "lib.ssp"\n', tmp_path)
+    assert [type(e).__name__ for e in errors] == ["RequirementFailed"]
+    rendered = errors[0].render()
+    assert rendered.startswith(f"{lib}:2:1: lib needs 4")
+    assert f"note: in the plan used at {tmp_path / 'user.ssp'}:3:1" in rendered
+    assert len(rendered.splitlines()) < 12
+
+
+def test_second_assign_of_a_stage_group_in_used_plans_names_both(tmp_path: Path):
+    errors = _errors('plan p()\nuse "../plans/lib/pipe_stages.ssp"\n'
+                     'use "../plans/lib/pipe_stages.ssp"\n'.replace("../plans/", str(BAD.parent) + "/"),
+                     tmp_path)
+    assert [type(e).__name__ for e in errors] == ["DuplicateName"]
+    text = errors[0].render()
+    assert "in the plan used at" in text and "user.ssp:2:1" in text and "user.ssp:3:1" in text
+
+
+def test_assign_each_part_with_one_name_and_a_range(tmp_path: Path):
+    """`assign each part i in 0..2` is the one-name form of `(i, j) in [0..a, 0..b]`: it makes
+    exactly the assigns written out by hand."""
+    plan = tmp_path / "each.ssp"
+    plan.write_text("plan p()\npartition all along batch into 3\n"
+                    "assign each part i in 0..3 to device 2 - i\n")
+    got = [str(d) for d in elaborate(load_plan(str(plan)), world=3).directives]
+    assert got == ["partition all along batch into 3", "assign part 0 of all to device 2",
+                   "assign part 1 of all to device 1", "assign part 2 of all to device 0"]
+    plan.write_text("plan p()\npartition all along batch into 2\n"
+                    "assign each part i in [1, 0] to device i\n")
+    got = [str(d) for d in elaborate(load_plan(str(plan)), world=2).directives]
+    assert got[1:] == ["assign part 1 of all to device 1", "assign part 0 of all to device 0"]
+
+
+def test_every_statement_kind_has_a_wrong_plan():
+    """The corpus covers every statement of the language (by its first keyword)."""
+    words = set()
+    for path in FILES:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        for line in text.splitlines()[1:]:
+            if line.strip() and not line.lstrip().startswith("#"):
+                words.add(line.split()[0])
+    assert {"let", "partition", "replicate", "assign", "order", "microbatch", "stages",
+            "recompute", "zero", "mesh", "use", "require", "for", "if"} <= words

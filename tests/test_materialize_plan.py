@@ -9,7 +9,7 @@ import torch
 from ssdsl.ir.layout import Layout
 from ssdsl.ir.region import Region
 from ssdsl.materialize import UncoveredRegion, plan_adapter
-from ssdsl.runtime.comm import simulate_adapter, verify_adapter
+from ssdsl.runtime.adapters import simulate_adapter, verify_adapter
 
 S = (8, 16)
 F32 = 4

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from ssdsl.errors import SsdslError
 from ssdsl.runtime.dist import (DistEnvError, RankEnv, all_gather_objects, default_timeout_s,
                                 distributed)
-from ssdsl.runtime.launch import (JobTimeout, LaunchError, RankFailed, WorkerNotFound, launch,
+from ssdsl.runtime.launch import (JobTimeout, LaunchError, RankFailed, RankHung, WorkerNotFound,
+                                  launch,
                                   report_event, set_local_event_handler, under_torchrun)
 
 pytestmark = pytest.mark.slow
@@ -64,6 +65,34 @@ def failing_worker(pid_dir: str, how: str) -> None:
             if how == "ssdsl":
                 raise SsdslError("a user-facing fault", file="model.py")
         dist.all_reduce(t)  # rank 0 waits here for the peer that is gone or silent
+
+
+def stalling_worker(pid_dir: str, how: str) -> None:
+    """Rank 1 stops (SIGSTOP) or sleeps before the second all-reduce; the collective timeout is
+    60 s, so only the launcher's watchdog can end the job early."""
+    _note_pid(pid_dir)
+    with distributed(timeout_s=60) as ctx:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        if ctx.rank == 1:
+            if how == "sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                _sleep_in_get_batch()
+        dist.all_reduce(t)
+
+
+def _sleep_in_get_batch() -> None:
+    time.sleep(3600)
+
+
+def suicide_worker(pid_dir: str) -> None:
+    _note_pid(pid_dir)
+    if os.environ["RANK"] == "1":
+        while not Path(pid_dir, "0.pid").exists():  # both pids noted: the oracle sees both
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(3600)
 
 
 def sleeping_worker(pid_dir: str) -> None:
@@ -173,6 +202,45 @@ def test_hanging_rank_ends_through_peer_timeout(tmp_path):
     assert "did not finish" in err.render()
     assert elapsed < BOUND_S
     _assert_all_gone(pids)
+
+
+def test_stopped_rank_is_named_by_the_watchdog(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankHung) as info:
+        launch(stalling_worker, nproc=2, args=(str(tmp_path), "sigstop"), grace_s=1.0)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.rank == 1, err.render()
+    assert "stopped answering" in err.render() and "SIGSTOP" in err.render()
+    assert elapsed < BOUND_S
+    _assert_all_gone(_pids(tmp_path, 2))
+
+
+def test_rank_that_never_comes_is_named_with_its_line(tmp_path, monkeypatch):
+    monkeypatch.setattr("ssdsl.runtime.launch.HANG_S", 4.0)
+    start = time.monotonic()
+    with pytest.raises(RankHung) as info:
+        launch(stalling_worker, nproc=2, args=(str(tmp_path), "sleep"), grace_s=1.0)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.rank == 1, err.render()
+    assert "never came" in err.render() and "rank 0 waited" in err.render()
+    assert "in _sleep_in_get_batch" in err.render()  # the line the hung rank is at
+    assert elapsed < BOUND_S
+    _assert_all_gone(_pids(tmp_path, 2))
+
+
+def test_twenty_killed_jobs_leave_no_orphans(tmp_path):
+    all_pids = []
+    for trial in range(20):
+        pid_dir = tmp_path / str(trial)
+        pid_dir.mkdir()
+        with pytest.raises(RankFailed) as info:
+            launch(suicide_worker, nproc=2, args=(str(pid_dir),), grace_s=1.0)
+        assert info.value.rank == 1 and "SIGKILL" in info.value.render()
+        all_pids += _pids(pid_dir, 2)
+    assert len(all_pids) == 40
+    _assert_all_gone(all_pids)
 
 
 def test_user_error_in_rank_is_rendered(tmp_path):

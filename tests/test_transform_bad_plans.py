@@ -7,7 +7,7 @@ Each file starts with a header written by hand from the plan text and the model:
     # expect: ErrorClass LINE:COL
     # message: a substring the message must contain
 
-The plan is elaborated and transformed against the model traced on the meta device; the first
+The plan is elaborated, transformed and scheduled against the model traced on the meta device; the first
 error must be of that class, at that position of the plan file, and say that.
 """
 
@@ -21,6 +21,7 @@ import pytest
 from ssdsl.elaborate import elaborate_file
 from ssdsl.errors import ErrorGroup, SsdslError
 from ssdsl.ir.graph import Graph
+from ssdsl.runtime.job import schedule_plan
 from ssdsl.trace import trace
 from ssdsl.trace.model_file import load_model_file
 from ssdsl.transform import transform
@@ -58,7 +59,8 @@ def graph_of(path: Path) -> Graph:
 def first_error(path: Path, head: dict[str, str]) -> SsdslError:
     graph = graph_of(model_path(head["model"]))
     with pytest.raises(SsdslError) as info:
-        transform(graph, elaborate_file(path, world=int(head["world"])))
+        # transform, then the schedule phase (orders, recompute, stages): what `check` runs
+        schedule_plan(graph, elaborate_file(path, world=int(head["world"])))
     err = info.value
     return err.errors[0] if isinstance(err, ErrorGroup) else err
 

@@ -84,16 +84,10 @@ def _print_program(programs, rank: int) -> int:
 
 
 def _resolve(graph, plan: ElaboratedPlan):
-    """Transform, then for pipelines place stages, split micro-batches and check the schedule."""
-    result = transform(graph, plan)
-    lowered = None
-    if any(getattr(d, "kind", None) in ("stages", "microbatch") for d in result.deferred):
-        from ssdsl.check import check_schedule
-        from ssdsl.schedule.resolve import resolve_pipeline
-        result, lowered = resolve_pipeline(result)
-        if lowered is not None:
-            check_schedule(lowered.schedule)
-    return result, lowered
+    """Transform, then place stages, split micro-batches, resolve orders and recompute, and
+    check the schedule: the same phases as ``ssdsl run`` (``ssdsl.runtime.job.schedule_plan``)."""
+    from ssdsl.runtime.job import schedule_plan
+    return schedule_plan(graph, plan)
 
 
 def _verify(mf, plan: ElaboratedPlan):

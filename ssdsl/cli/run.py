@@ -55,6 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--check", action="store_true",
                        help="also train the single-device reference and compare every step's "
                        "loss and the final parameters (exit status 1 on a mismatch)")
+    check.add_argument("--no-verify", action="store_true",
+                       help="skip the check before launch (one step of all ranks simulated in "
+                       "this process against the plain model); the output then says it was "
+                       "skipped")
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true",
@@ -91,12 +95,14 @@ def run(args: argparse.Namespace) -> int:
     result = _train(spec, args, world=world, first_step=first_step)
     if result is None:
         return 0  # a rank other than 0 under torchrun: rank 0 reports
-    result, progress = result
+    result, progress, verification = result
     if args.save:
-        save_atomically(result["params"], Path(args.save))
+        _saved_at(Path(args.save), save_atomically(result["params"], Path(args.save)))
     verdict = _check(args, spec, result, first_step) if args.check else None
     if args.json:
-        print(json.dumps(run_json(args, spec, result, progress, verdict), indent=2, default=str))
+        doc = run_json(args, spec, result, progress, verdict)
+        doc["verify"] = verification.as_dict()
+        print(json.dumps(doc, indent=2, default=str))
     else:
         _print_summary(result, progress, verdict)
     return 0 if verdict is None or verdict.ok else 1
@@ -159,14 +165,21 @@ def _first_step(args: argparse.Namespace) -> int:
 
 def _train(spec: Any, args: argparse.Namespace, *, world: int, first_step: int):
     """Launch (or, under torchrun, be one rank of) the job, showing progress; rank 0's result."""
-    from ssdsl.runtime.job import plan_job, rank_main
+    from ssdsl.runtime.job import rank_main
     from ssdsl.runtime.launch import launch, set_local_event_handler, under_torchrun
     from ssdsl.runtime.progress import MetricsFile, make_progress
+
+    import os
+
+    import attrs
+
+    from ssdsl.runtime.init import initial_state_file
+    from ssdsl.runtime.preflight import verify_before_launch
+    from ssdsl.trace.model_file import load_model_file
 
     torchrun = under_torchrun()
     rank = 0
     if torchrun:
-        import os
         rank = int(os.environ["RANK"])
     metrics = MetricsFile(args.metrics) if args.metrics and rank == 0 else None
     stream = sys.stderr if args.json else sys.stdout
@@ -175,6 +188,15 @@ def _train(spec: Any, args: argparse.Namespace, *, world: int, first_step: int):
                              metrics=metrics, stream=stream,
                              live=None if rank == 0 else False)
     with progress:
+        progress.phase("planning and verifying (trace the model, apply and check the plan, "
+                       "simulate one step of all ranks)")
+        # Plan once here, exactly as every rank will: a bad model file or plan fails now, once,
+        # with its location and exit status 2, instead of in N processes after they started;
+        # and verify it against the plain model (DESIGN §7), or say that it was not. Under
+        # torchrun every rank verifies (the same, deterministic answer), so all stop together.
+        verification = verify_before_launch(spec, world, enabled=not args.no_verify)
+        if rank == 0:
+            progress.phase(verification.line())
         if torchrun:
             # each process sees only its own events; rank 0 shows them
             if rank == 0:
@@ -183,15 +205,14 @@ def _train(spec: Any, args: argparse.Namespace, *, world: int, first_step: int):
                 result = rank_main(spec)
             finally:
                 set_local_event_handler(None)
-            return None if result is None else (result, progress)
-        progress.phase("planning (trace the model, apply and check the plan)")
-        # Plan once here, exactly as every rank will: a bad model file or plan fails now, once,
-        # with its location and exit status 2, instead of in N processes after they started.
-        plan_job(spec, world)
-        progress.phase(f"starting {world} rank{'s' if world > 1 else ''}")
-        result = launch(rank_main, nproc=world, args=(spec,), timeout_s=args.timeout,
-                        on_event=progress.on_event)[0]
-        return result, progress
+            return None if result is None else (result, progress, verification)
+        # the seeded model's state, written once here: each rank maps it and copies its regions
+        with initial_state_file(load_model_file(args.model), seed=args.seed) as init_file:
+            progress.phase(f"starting {world} rank{'s' if world > 1 else ''}")
+            result = launch(rank_main, nproc=world,
+                            args=(attrs.evolve(spec, init_file=init_file),),
+                            timeout_s=args.timeout, on_event=progress.on_event)[0]
+        return result, progress, verification
 
 
 def _check(args: argparse.Namespace, spec: Any, result: dict, first_step: int):
@@ -272,32 +293,58 @@ def _rank_json(r: dict) -> dict:
             "peak_memory_bytes": r["peak_memory_bytes"]}
 
 
-def save_atomically(state: dict, path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then link it into place, with the mode
-    of a new file (0644 under the usual umask).
+def save_atomically(state: dict, path: Path) -> Path:
+    """``torch.save`` to a temporary file beside ``path``, then link it into place with the mode
+    of a new file (0644 under the usual umask); the path written is returned.
 
     ``os.link`` fails when ``path`` appeared meanwhile, so a file created by someone else between
-    the check and the write is not replaced either.
+    the check and the write is never replaced; the trained parameters are then linked under the
+    first free name beside it (``model.1.pt``, ``model.2.pt``, ...) instead of being lost. A
+    directory that cannot be written falls back to the current directory.
     """
     import os
     import tempfile
 
     from ssdsl.runtime.checkpoint import current_umask
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError:
+        path = Path.cwd() / path.name
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise UsageError(f"--save: {path} appeared while training; it was not overwritten",
-                             hint="the parameters were not saved") from None
+        for candidate in _fresh_names(path):
+            try:
+                os.link(tmp, candidate)
+                return candidate
+            except FileExistsError:
+                continue
+        raise UsageError(f"--save: {path} and 1,000 names beside it exist; nothing was "
+                         "overwritten, and the parameters were not saved")  # pragma: no cover
     finally:
         os.unlink(tmp)
+
+
+def _fresh_names(path: Path):
+    """``path``, then ``stem.1.suffix`` ... ``stem.999.suffix`` beside it."""
+    yield path
+    for n in range(1, 1000):
+        yield path.with_name(f"{path.stem}.{n}{path.suffix}")
+
+
+def _saved_at(asked: Path, written: Path) -> None:
+    """Say where the parameters went when it is not where they were asked to go."""
+    if written.parent != asked.parent:
+        print(f"--save: {asked.parent} cannot be written; the trained parameters were saved to "
+              f"{written}", file=sys.stderr)
+    elif written != asked:
+        print(f"--save: {asked} appeared while training and was not overwritten; the trained "
+              f"parameters were saved to {written}", file=sys.stderr)
 
 
 def _asdict(r) -> dict:

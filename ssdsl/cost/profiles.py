@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -50,7 +51,8 @@ class DeviceProfile:
     ``inter_bw``/``inter_latency``: the network a node has to other nodes (all its NICs together),
     shared by the rings that cross it. ``compute_efficiency`` and ``memory_efficiency`` scale peak
     to what kernels reach; ``op_overhead``: fixed time per operator call (kernel launch, or eager
-    dispatch on a CPU), ``view_overhead`` the same for an operator that moves no data (a view).
+    dispatch on a CPU), ``view_overhead`` the same for an operator that moves no data (a view),
+    ``param_overhead`` the optimizer's per tensor.
     ``flash_attention``: attention kernels skip the masked half under a causal mask and keep no
     score matrix (the math path on a CPU keeps it).
     """
@@ -68,6 +70,7 @@ class DeviceProfile:
     memory_efficiency: float = 1.0
     op_overhead: float = 0.0
     view_overhead: float = 0.0
+    param_overhead: float = 1e-6  # per parameter tensor and optimizer state in the step
     flash_attention: bool = False
     source: str = "datasheet"
 
@@ -151,8 +154,10 @@ CPU_DEFAULT = DeviceProfile(
 GPUS = {p.name: p for p in (V100, A100, H100)}
 
 
-def cpu_profile(path: Path = CPU_PROFILE_FILE) -> DeviceProfile:
-    """The measured CPU profile written by ``bench/bench_cost.py``, else the default."""
+def cpu_profile(path: Path | None = None) -> DeviceProfile:
+    """The measured CPU profile written by ``bench/bench_cost.py`` (or the file named by the
+    environment variable ``SSDSL_CPU_PROFILE``), else the default."""
+    path = Path(path or os.environ.get("SSDSL_CPU_PROFILE") or CPU_PROFILE_FILE)
     if not path.exists():
         return CPU_DEFAULT
     data = json.loads(path.read_text())

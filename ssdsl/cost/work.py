@@ -20,12 +20,10 @@ import attrs
 from ssdsl.cost.collectives import Link, all_reduce_time, collective_time, link_for, p2p_time
 from ssdsl.cost.ops import VIEW_KINDS, Work, aten_name, item_bytes, work_of
 from ssdsl.cost.profiles import Cluster, DeviceProfile
-from ssdsl.elaborate.directives import Recompute
 from ssdsl.ir.region import Region
 from ssdsl.materialize.program import Materialized
 from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
 from ssdsl.ops import Annotation
-from ssdsl.transform.select import select_ops
 
 ITEMSIZE = {"float64": 8, "float32": 4, "tfloat32": 4, "float16": 2, "bfloat16": 2}
 # Optimizer state per parameter element, in fp32 values: SGD without momentum keeps none.
@@ -128,10 +126,7 @@ def recomputed_ops(m: Materialized) -> frozenset[str]:
     """Operators under ``recompute`` statements, except those next to communication (the
     runtime leaves them out: recomputing a receive would receive twice)."""
     t = m.transformed
-    chosen: set[str] = set()
-    for d in t.deferred:
-        if isinstance(d, Recompute):
-            chosen.update(select_ops(t.graph, d.selector, d.span))
+    chosen = set(t.recompute)  # resolved (stages too) and checked by the schedule phase
     if not chosen:
         return frozenset()
     producer = {x: op.name for op in t.graph.ops for x in op.outputs}
@@ -344,11 +339,13 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
         memory[d] = StaticMemory(params, params, numel * (4 * states + master))
         # read parameter and gradient, read and write each state, write the parameter
         moved = numel * (3 * opts.itemsize + 8 * states + 2 * master)
-        optimizer[d] = len(held[d]) * p.op_overhead * (1 + states) + moved / p.bytes_rate()
+        optimizer[d] = len(held[d]) * p.param_overhead * (1 + states) + moved / p.bytes_rate()
         reducer[d] = 0.0
     scale = opts.itemsize / m.dtype.itemsize
+    sets = {b.devices for b in m.reducer.buckets}
     for bucket in m.reducer.buckets:
-        link = link_for(bucket.devices, p, opts.cluster)
+        link = link_for(bucket.devices, p, opts.cluster,
+                        sharing=_concurrent_sets(bucket.devices, sets, opts.cluster))
         time = all_reduce_time(len(bucket.devices), bucket.size * scale, link)
         for d in bucket.devices:
             reducer[d] = reducer.get(d, 0.0) + time
@@ -359,3 +356,15 @@ def loss_reduce_time(opts: CostOptions, devices: tuple[int, ...]) -> float:
     """The step's last collective: the loss, one float64, summed over every rank."""
     link: Link = link_for(devices, opts.profile, opts.cluster)
     return all_reduce_time(len(devices), 8.0, link)
+
+
+def _concurrent_sets(devices: tuple[int, ...], sets: set[tuple[int, ...]],
+                     cluster: Cluster) -> int:
+    """How many reducer groups (this one included) leave a node of ``devices`` at the same time:
+    disjoint device sets that cross nodes (a tp-sharded weight's dp groups reduce together)."""
+    nodes = cluster.nodes_of(devices)
+    if len(nodes) <= 1:
+        return 1
+    mine = set(devices)
+    return 1 + sum(1 for s in sets if not mine & set(s) and len(cluster.nodes_of(s)) > 1
+                   and cluster.nodes_of(s) & nodes)

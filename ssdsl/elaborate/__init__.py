@@ -24,6 +24,7 @@ from ssdsl.elaborate import directives
 from ssdsl.elaborate.directives import ElaboratedPlan
 from ssdsl.elaborate.engine import DEFAULT_MAX_STEPS, Elaborator, _Abort
 from ssdsl.elaborate.evaluate import MAX_COUNT
+from ssdsl.parse.ast import MAX_INT
 from ssdsl.elaborate.errors import BadSetValue, ElaborationError, UnknownParameter, UnknownPlan
 from ssdsl.elaborate.loader import (PlanLoader, display_name, find_stdlib, stdlib_plans)
 from ssdsl.elaborate.resolve import resolve, suggest
@@ -149,8 +150,12 @@ def _read_value(p: A.Param, text: str) -> Any:
             value = _as_list(pyast.literal_eval(text))
     except (ValueError, KeyError, SyntaxError, TypeError, MemoryError, RecursionError):
         value = None
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        raise BadSetValue(f"--set {p.name}={text[:40]}: the integer is outside the limit of "
+                          f"+-{MAX_INT:,} (64 bits)", p.span)
     if value is None or convert(value, p.type) is None:
-        raise BadSetValue(f"--set {p.name}={text}: '{text}' is not a {p.type}", p.span,
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise BadSetValue(f"--set {p.name}={shown}: '{shown}' is not a {p.type}", p.span,
                           hint=f"parameter '{p.name}' is declared {p.type}")
     return convert(value, p.type)
 

@@ -144,9 +144,13 @@ class Evaluator:
             raise E.UnknownFunction(f"unknown function '{e.func}'", e.func_span)
         values = [self.ev(a.value, env) for a in e.args]
         try:
-            return entry[2](values, [a.span for a in e.args], e.span)
+            result = entry[2](values, [a.span for a in e.args], e.span)
         except (OverflowError, ValueError) as exc:
             raise E.ArithmeticFault(f"{e.func}(): {exc}", e.span) from None
+        if is_int(result) and not -MAX_INT - 1 <= result <= MAX_INT:  # sum(0..10**18), int(1e300)
+            raise E.ArithmeticFault(f"{e.func}() gives an integer outside the limit of "
+                                    f"+-{MAX_INT:,} (64 bits)", e.span)
+        return result
 
     def _index(self, e: A.Index, env: dict) -> Any:
         base, i = self.ev(e.base, env), self.ev(e.index, env)

@@ -29,7 +29,6 @@ from typing import Any
 import attrs
 import torch
 
-from ssdsl.elaborate.directives import Recompute
 from ssdsl.ir.graph import Op
 from ssdsl.ir.region import Region
 from ssdsl.lower.instr import (Backward, Begin, Call, Coll, Comm, Cut, End, Free, LocalAdapter,
@@ -40,7 +39,6 @@ from ssdsl.materialize.program import Edge, Materialized
 from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
 from ssdsl.source import Span
 from ssdsl.transform.parts import Part
-from ssdsl.transform.select import select_ops
 
 # Messages of one adapter direction get tags ``base * TAG_STRIDE + i``; base is unique per
 # (edge, micro-batch, direction).
@@ -98,11 +96,8 @@ class _Context:
         after: dict[str, list[tuple[str, str, int]]] = {}
         for key in m.edges:
             after.setdefault(producer[key[0]].name, []).append(key)
-        recompute: dict[str, Span] = {}
-        for d in t.deferred:
-            if isinstance(d, Recompute):
-                for name in select_ops(g, d.selector, d.span):
-                    recompute.setdefault(name, d.span)
+        # resolved (stages included) and checked at the statements by the schedule phase
+        recompute: dict[str, Span] = dict(t.recompute)
         placed = {(op, p.device): p for op, parts in t.parts.items() for p in parts}
         return cls(m, ops_of, {s: frozenset(d) for s, d in devices.items()}, producer, after,
                    {key: i for i, key in enumerate(m.edges)}, _unit_programs(m), recompute,

@@ -20,6 +20,7 @@ import attrs
 import torch
 
 from ssdsl.errors import SsdslError
+from ssdsl.ir.grad import grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.materialize.plan import plan_adapter
 from ssdsl.materialize.reducer import GradReducer, Weight, plan_grad_reducer
@@ -108,6 +109,8 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     sources = source_names(t)
     producer = g.producer()
     partial = {} if schedule is not None else partial_gradient_replicas(t)
+    # no gradient adapter for a tensor that needs no gradient: no rank would send one
+    needs_grad = grad_tensors(g)
     edges: dict[tuple[str, str, int], Edge] = {}
     reads: dict[tuple[str, str, int, int], Part] = {}
     for op in g.ops:
@@ -119,7 +122,8 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
                 continue
             edges[(name, op.name, slot)] = Edge(name, op.name, slot,
                                                 _edge_adapter(t, producer[name], name, readers,
-                                                              slot, dtype, partial))
+                                                              slot, dtype, partial,
+                                                              backward=name in needs_grad))
     weights, scales = _weights(t, reads, dtype, partial)
     uses = {key: SourceUse(key[0], _region(t, key[0], p.sub.inputs[key[2]]), scales.get(key, 1.0))
             for key, p in reads.items()}
@@ -131,8 +135,8 @@ def _region(t: Transformed, tensor: str, intervals, part: tuple[int, int] = (0, 
 
 
 def _edge_adapter(t: Transformed, producer_op, tensor: str, readers: list[Part], slot: int,
-                  dtype: torch.dtype, partial: Mapping[str, Mapping[int, tuple[int, int]]]
-                  ) -> Adapter:
+                  dtype: torch.dtype, partial: Mapping[str, Mapping[int, tuple[int, int]]],
+                  *, backward: bool = True) -> Adapter:
     j = producer_op.outputs.index(tensor)
     sizes = t.label_sizes(producer_op.name)
     parts = t.parts[producer_op.name]
@@ -151,7 +155,7 @@ def _edge_adapter(t: Transformed, producer_op, tensor: str, readers: list[Part],
     if isinstance(declared, torch.dtype) and not declared.is_floating_point:
         dtype = declared
     return plan_adapter(t.shape(tensor), dtype, producers, consumers, grad_consumers=grads,
-                        grad_producers=grad_producers)
+                        grad_producers=grad_producers, backward=backward)
 
 
 def _grad_part(t: Transformed, part: Part, slot: int,

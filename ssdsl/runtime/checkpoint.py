@@ -251,6 +251,13 @@ def _lookup(state: Mapping[str, torch.Tensor], qual: str, aliases: Sequence[str]
 # ----------------------------------------------------------------------------- inside a job
 
 
+def state_keys_of(model_file: Any, *, seed: int = 0) -> list[str]:
+    """The names of the model's ``state_dict``, from a build on the meta device (nothing is
+    allocated): tied parameters under each name, persistent buffers only."""
+    with torch.device("meta"):
+        return list(model_file.build(seed=seed).state_dict())
+
+
 def program_shards(program: Any) -> tuple[list[Shard], list[Shard]]:
     """This rank's parameter shards and buffer shards, by qualified name (to gather and merge)."""
     graph = program.graph

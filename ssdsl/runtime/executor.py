@@ -7,8 +7,13 @@ which a backend defines: ``DistRunner`` on torch.distributed here, ``SimRunner``
 (``ssdsl.runtime.simulate``) by yielding to the in-process exchange. The walk itself is
 ``ssdsl.lower.walk.walk``: one walk, whatever the backend.
 
+A forward ``comm`` makes its outputs new autograd leaves and ``backward`` runs autograd over one
+segment between communication points, so no communication ever happens inside autograd: the
+order of every collective and message, backward included, is the program's.
+
 ``RankProgram`` is one rank's trainer: its program (``ssdsl.lower.lower_rank``), its shards
-(``init_state``), its optimizer, and ``train_batch``.
+(``init_state``; ``_init_state`` is the hook to initialise them otherwise), its optimizer, and
+``train_batch``.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from ssdsl.ir.region import Region
 from ssdsl.lower import Handler, Program, Wait, lower_rank, walk
 from ssdsl.lower.instr import Coll, P2P
 from ssdsl.materialize.program import Materialized
-from ssdsl.runtime.comm import coll_on_rank, isend, local_coll, wait_sends, _pg
+from ssdsl.runtime.comm import coll_on_rank, isend, local_coll, wait_sends
 from ssdsl.runtime.groups import ProcessGroups, groups_of
+from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
 from ssdsl.trace.model_file import ModelFile
@@ -59,21 +65,10 @@ class RankState:
     fixed: dict[tuple[str, Region], torch.Tensor]
 
 
-def init_state(m: Materialized, rank: int, model: torch.nn.Module) -> RankState:
-    """Slices of the seeded single-device model's parameters that ``rank``'s parts read."""
-    graph = m.transformed.graph
-    full = _named_values(model, graph)
-    leaves: dict[tuple[str, Region], torch.Tensor] = {}
-    fixed: dict[tuple[str, Region], torch.Tensor] = {}
-    for (name, _op, _slot, device), use in m.sources.items():
-        if device != rank or name not in full:
-            continue
-        key = (name, use.region)
-        if name in graph.params and key not in leaves:
-            leaves[key] = use.region.slice_of(full[name]).detach().clone().requires_grad_(True)
-        elif name not in graph.params and key not in fixed:
-            fixed[key] = use.region.slice_of(full[name]).detach().clone()
-    return RankState(leaves, fixed)
+def init_state(m: Materialized, rank: int, model) -> RankState:
+    """This rank's regions of the seeded single-device model's parameters and buffers, from a
+    live model or a state file of it, without the full model (``ssdsl.runtime.init``)."""
+    return RankState(*init_shards(m, rank, model))
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -394,14 +389,6 @@ class DistRunner(Runner):
     def on_wait_sends(self, ins) -> None:
         wait_sends()
 
-    def on_loss_sum(self, ins) -> Iterator[Wait]:
-        mine = float(sum(float(x.detach()) for x, counted in self.losses if counted))
-        total = torch.tensor([mine], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(total, group=_pg(self.groups, ins.group) if self.groups else None)
-        self.loss_total = float(total.item())
-        return iter(())
-
 
 class RankProgram:
     """One rank's trainer: its lowered program, shards, optimizer and training step.
@@ -513,19 +500,3 @@ def assemble(shards: list[tuple[str, Region, torch.Tensor]]) -> dict[str, torch.
 def create_groups(m: Materialized) -> ProcessGroups:
     """Every process group the program uses, created on every rank in the same order."""
     return ProcessGroups.create(groups_of([e.adapter for e in m.edges.values()], [m.reducer]))
-
-
-def _named_values(model: torch.nn.Module, graph) -> dict[str, torch.Tensor]:
-    """Graph tensor name -> value, for parameters, buffers and lifted constants."""
-    by_qual = dict(model.named_parameters(remove_duplicate=False))
-    by_qual.update(dict(model.named_buffers(remove_duplicate=False)))
-    out: dict[str, torch.Tensor] = {}
-    for name, qual in {**graph.params, **graph.buffers}.items():
-        for q in (qual, *graph.aliases.get(qual, ())):
-            if q in by_qual:
-                out[name] = by_qual[q]
-                break
-    for name, value in graph.constants.items():
-        if isinstance(value, torch.Tensor):
-            out[name] = value
-    return out

@@ -8,6 +8,7 @@ Every rank derives the same plan from the same inputs, so nothing but tensors cr
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,9 @@ class JobSpec:
     checkpoint: str | None = None    # a directory to write this run's sharded checkpoint into
     # a folder of files `ssdsl compile` wrote: each rank runs its rank<N>.py
     compiled: str | None = None
+    # the seeded model's state written by the launching process (``ssdsl.runtime.init``);
+    # None: the ranks make it themselves (under torchrun)
+    init_file: str | None = None
 
 
 def plan_job(spec: JobSpec, world: int, *, model_file: Any = None
@@ -74,6 +78,26 @@ def plan_job(spec: JobSpec, world: int, *, model_file: Any = None
     m = materialize(t, dtype=dtype, schedule=lowered)
     check_programs(lower_plan(m).programs, m=m)  # what every rank will run, before it runs
     return mf, m, model
+
+
+def plan_for_ranks(spec: JobSpec, world: int) -> tuple[Any, Materialized, bool]:
+    """Model file and materialized plan as a rank makes them: traced on ``meta`` (the model's
+    tensors are never built), creation operators moved back to the CPU. The flag is False when
+    the trace lifted tensor constants: then the plan comes from a real trace, and the caller
+    must initialise from the real model (``plan_job``)."""
+    from ssdsl.runtime.init import has_tensor_constants, on_device
+    mf = load_model_file(spec.model)
+    dtype = DTYPES[spec.dtype]
+    with torch.device("meta"):
+        model = mf.build(seed=spec.seed).to(dtype=dtype)
+    graph = trace(mf, device="meta", batch_size=spec.batch_size, model=model)
+    if has_tensor_constants(graph):
+        return (*plan_job(spec, world)[:2], False)
+    plan = elaborate_file(spec.plan, world=world, sets=dict(spec.sets))
+    t, lowered = schedule_plan(on_device(graph, "cpu"), plan)
+    m = materialize(t, dtype=dtype, schedule=lowered)
+    check_programs(lower_plan(m).programs, m=m)  # what every rank will run, before it runs
+    return mf, m, True
 
 
 def schedule_plan(graph: Any, plan: Any) -> tuple[Transformed, Lowered | None]:
@@ -131,12 +155,12 @@ def rank_main(spec: JobSpec) -> dict[str, Any] | None:
 
     with sdist.distributed() as ctx:
         report_event(Phase("planning"))
-        mf, m, model = plan_job(spec, ctx.world_size)
+        mf, m, source = plan_with_state(spec, ctx)
         report_event(Phase("building this rank's shards"))
         groups = create_groups(m)
-        prog = _rank_program(spec, m, ctx.rank, mf, model, groups)
-        state_keys = list(model.state_dict())
-        del model  # this rank keeps only its shards
+        prog = _rank_program(spec, m, ctx.rank, mf, source, groups)
+        del source  # this rank keeps only its shards
+        state_keys = ckpt.state_keys_of(mf, seed=spec.seed)
         start = ckpt.resume_program(prog, spec.resume) if spec.resume else 0
         bs = spec.batch_size or mf.batch_size
         metrics = MetricsCollector(rank=ctx.rank, samples_per_step=bs, device=ctx.device,
@@ -163,3 +187,23 @@ def rank_main(spec: JobSpec) -> dict[str, Any] | None:
                                            (s for r in shards for s in r[1]),
                                            aliases=prog.graph.aliases, state_keys=state_keys),
                 "ranks": summaries, "accounting": m.accounting()}
+
+
+def plan_with_state(spec: JobSpec, ctx: sdist.DistContext) -> tuple[Any, Materialized, Any]:
+    """This rank's plan and where its initial shards come from, without building the model:
+    the launcher's state file, else one written by local rank 0 (``ssdsl.runtime.init``)."""
+    import torch.distributed as dist
+    from ssdsl.runtime.init import StateFile, shared_state_file
+    if spec.compiled is not None:  # the files were written from their own plan: as before
+        mf, m, model = plan_job(spec, ctx.world_size)
+        return mf, m, model
+    mf, m, planned_on_meta = plan_for_ranks(spec, ctx.world_size)
+    if not planned_on_meta:  # tensor constants: the real model is needed (a stated limit)
+        _, m, model = plan_job(spec, ctx.world_size)
+        return mf, m, model
+    if spec.init_file is not None:
+        return mf, m, StateFile(spec.init_file)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    key = os.environ.get("TORCHELASTIC_RUN_ID", "") + os.environ.get("MASTER_PORT", "")
+    return mf, m, shared_state_file(mf, seed=spec.seed, local_rank=local,
+                                    barrier=dist.barrier, key=key)

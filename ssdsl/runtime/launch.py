@@ -13,8 +13,13 @@ Failure handling, the point of this module:
 - a rank that raises, exits non-zero, or is killed by a signal ends the job: every other rank is
   sent SIGTERM, then SIGKILL after ``grace_s``; ``launch`` raises ``RankFailed`` naming the rank
   that caused it, with its error text (and its traceback as the ``__cause__``, for ``--debug``);
-- a rank that hangs makes its peers' collectives time out (``ssdsl.runtime.dist`` bounds them), so
-  it is reported through them; ``timeout_s`` bounds the whole job as a last resort (``JobTimeout``);
+- a rank that hangs is named by the watchdog: every rank writes a heartbeat each second (from a
+  thread: whether its main thread waits in communication, how many communication calls it has
+  made, and where its own code is). A rank whose heartbeat stops (SIGSTOP, a frozen process) is
+  named after ``stale_s``; a rank that does not come to a communication its peers have waited in
+  for ``hang_s`` without progress (asleep in ``get_batch``, say) is named with the line it is at.
+  Both well before gloo's collective timeout (``ssdsl.runtime.dist``), which stays as a backstop,
+  as does ``timeout_s`` for the whole job (``JobTimeout``);
 - no orphans: each rank leads its own process group (killed as a group, so its children go too, and
   a Ctrl-C reaching the launcher kills them all), and asks the kernel to SIGKILL it if the launcher
   itself dies (``PR_SET_PDEATHSIG``).
@@ -55,6 +60,14 @@ _POLL_S = 0.02
 _SETTLE_S = 0.5
 _LAUNCH_DIR_VAR = "SSDSL_LAUNCH_DIR"
 _LAUNCHER_PID_VAR = "SSDSL_LAUNCHER_PID"
+# The watchdog: a heartbeat per rank each _BEAT_S; a rank silent for STALE_S is stopped or frozen;
+# peers waiting HANG_S in communication, without a new call, for a rank that is elsewhere and has
+# not moved from its line for HANG_S either (asleep, or blocked on something else), name it.
+# Both can be set in the environment (a model whose steps take longer than HANG_S on one rank while
+# another waits needs a larger value).
+_BEAT_S = 1.0
+STALE_S = float(os.environ.get("SSDSL_STALE_S", "10"))
+HANG_S = float(os.environ.get("SSDSL_HANG_S", "15"))
 
 
 class LaunchError(SsdslError):
@@ -78,6 +91,10 @@ class RankFailed(LaunchError):
         self.rank = failure.rank
         if failure.traceback:
             self.__cause__ = RemoteTraceback(failure.rank, failure.traceback)
+
+
+class RankHung(RankFailed):
+    """The watchdog found a rank that stopped answering, or that its peers wait for in vain."""
 
 
 class JobTimeout(LaunchError):
@@ -265,6 +282,7 @@ class _Job:
         self.procs: list[subprocess.Popen] = []
         self.event_offsets = [0] * nproc
         self.killed_by_us: set[int] = set()
+        self.next_watch = 0.0
 
     def start(self, env: dict[str, str]) -> None:
         code = "from ssdsl.runtime.launch import _rank_main; _rank_main()"
@@ -285,6 +303,7 @@ class _Job:
             if all(c == 0 for c in codes):
                 self.pump_events()
                 return [self.result(rank) for rank in range(self.nproc)]
+            self.watch(codes)
             if deadline is not None and time.monotonic() > deadline:
                 running = [r for r, c in enumerate(codes) if c is None]
                 self.kill_all()
@@ -306,6 +325,39 @@ class _Job:
         # The cause: a rank whose fault is its own (not a peer's socket error), earliest first.
         failures.sort(key=lambda f: (f.is_consequence, f.at, f.rank))
         raise RankFailed(failures[0], others=failures[1:], still_running=running)
+
+    def watch(self, codes: list[int | None]) -> None:
+        """Raise ``RankHung`` for a rank the heartbeats show stopped, or waited for in vain."""
+        now = time.time()
+        if now < self.next_watch:
+            return
+        self.next_watch = now + _BEAT_S / 2
+        beats = {r: _read_beat(self.dir, r) for r, c in enumerate(codes) if c is None}
+        if any(b is None for b in beats.values()):
+            return  # a rank still starting (its first beat comes within a second of its start)
+        stale = [r for r, b in beats.items() if now - b.at > STALE_S]
+        if stale and len(stale) < len(beats):
+            r = stale[0]
+            self.hang(r, f"stopped answering: no heartbeat for {now - beats[r].at:.0f} s "
+                         f"(the process is stopped, e.g. by SIGSTOP, or frozen); it was "
+                         f"{beats[r].describe()}", beats)
+        waiting = {r: b for r, b in beats.items() if b.waiting_since is not None
+                   and now - b.waiting_since > HANG_S}
+        absent = [r for r, b in beats.items() if b.waiting_since is None
+                  and now - b.still_since > HANG_S]
+        if waiting and absent:
+            r = absent[0]
+            longest = max(now - b.waiting_since for b in waiting.values())
+            who = ", ".join(map(str, sorted(waiting)))
+            self.hang(r, f"never came to the communication its peers wait for: rank"
+                         f"{'s' if len(waiting) > 1 else ''} {who} waited {longest:.0f} s in "
+                         f"{waiting[min(waiting)].op}, while rank {r} is {beats[r].describe()}",
+                      beats)
+
+    def hang(self, rank: int, summary: str, beats: dict[int, Any]) -> None:
+        others = [r for r in beats if r != rank]
+        self.kill_all()
+        raise RankHung(RankFailure(rank, "hang", summary, at=time.time()), still_running=others)
 
     def failure(self, rank: int) -> RankFailure | None:
         code = self.procs[rank].returncode
@@ -388,6 +440,7 @@ def _rank_main() -> None:
     _die_with_launcher(int(os.environ[_LAUNCHER_PID_VAR]))
     launch_dir = Path(os.environ[_LAUNCH_DIR_VAR])
     rank = int(os.environ["RANK"])
+    _start_heartbeat(launch_dir, rank)
     outcome = _run_payload(launch_dir / "payload.pkl")
     try:
         data = pickle.dumps(outcome)
@@ -429,3 +482,113 @@ def _die_with_launcher(launcher_pid: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != launcher_pid:  # the launcher died before the request took effect
         os._exit(1)
+
+
+# ----------------------------------------------------------------------------- the watchdog
+
+
+@attrs.frozen
+class _Beat:
+    """One heartbeat: when, since when the main thread waits in communication (None: it does
+    not), the communication it waits in, the rank's own code line it is at, and since when it
+    has been at that line (a rank that is slow but busy moves; a hung one does not)."""
+
+    at: float
+    waiting_since: float | None
+    op: str
+    where: str
+    still_since: float = 0.0  # since when the main thread has been at this same line
+
+    def describe(self) -> str:
+        if self.waiting_since is not None:
+            return f"waiting in {self.op} (at {self.where})"
+        return f"at {self.where}" if self.where else "running"
+
+
+def _read_beat(directory: Path, rank: int) -> _Beat | None:
+    try:
+        return pickle.loads((directory / f"rank{rank}.beat").read_bytes())
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+
+
+_COMM_CALLS = [0]  # communication calls this rank has made (a wait is "new" when this grows)
+_COMM_FUNCS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "send",
+               "recv", "isend", "irecv", "barrier", "batch_isend_irecv", "all_gather_object",
+               "gather_object", "broadcast_object_list", "gather", "scatter", "reduce",
+               "init_process_group", "monitored_barrier")
+
+
+def _count_comm_calls() -> None:
+    """Wrap torch.distributed's communication functions to count calls (looked up at call time by
+    ``dist.all_reduce(...)``, so every caller is counted)."""
+    import functools
+
+    import torch.distributed as tdist
+
+    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            _COMM_CALLS[0] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name in _COMM_FUNCS:
+        fn = getattr(tdist, name, None)
+        if callable(fn) and not getattr(fn, "_ssdsl_counted", False):
+            wrapped = counted(fn)
+            wrapped._ssdsl_counted = True  # type: ignore[attr-defined]
+            setattr(tdist, name, wrapped)
+
+
+def _start_heartbeat(directory: Path, rank: int) -> None:
+    """A daemon thread that writes this rank's ``_Beat`` every ``_BEAT_S`` seconds."""
+    import threading
+
+    main = threading.main_thread().ident
+
+    def beat() -> None:
+        since, calls, still, last = None, -1, time.time(), None
+        path, tmp = directory / f"rank{rank}.beat", directory / f"rank{rank}.beat.tmp"
+        while True:
+            frame = sys._current_frames().get(main)
+            op, where = _inspect_stack(frame)
+            now = time.time()
+            if op is None:
+                since = None
+            elif since is None or calls != _COMM_CALLS[0]:
+                since = now
+            calls = _COMM_CALLS[0]
+            if (op, where) != last:
+                still, last = now, (op, where)
+            try:
+                tmp.write_bytes(pickle.dumps(_Beat(now, since, op or "", where, still)))
+                tmp.rename(path)
+            except OSError:  # the launcher removed its directory: the job is over
+                return
+            time.sleep(_BEAT_S)
+
+    threading.Thread(target=beat, name="ssdsl-heartbeat", daemon=True).start()
+    try:  # after the first beat is on its way: importing torch takes a while
+        _count_comm_calls()
+    except Exception:  # pragma: no cover - a rank without torch.distributed has no waits to watch
+        pass
+
+
+_OWN_FILES = ("/torch/", "/ssdsl/runtime/launch.py", "/threading.py", "/contextlib.py")
+
+
+def _inspect_stack(frame: Any) -> tuple[str | None, str]:
+    """(the communication the main thread waits in, or None; the innermost line of code that is
+    neither torch's nor the launcher's, as ``file:line in function``)."""
+    op, where = None, ""
+    while frame is not None:
+        code = frame.f_code
+        name = code.co_filename.replace("\\", "/")
+        if op is None and ("/torch/distributed/" in name or name.endswith("/ssdsl/runtime/comm.py")):
+            op = code.co_name
+        if not where and not any(part in name for part in _OWN_FILES):
+            where = f"{Path(name).name}:{frame.f_lineno} in {code.co_name}"
+        frame = frame.f_back
+    return op, where

@@ -7,7 +7,7 @@ Three checks, from local to global:
    the transform asked, not a neighbouring one).
 2. *Adapters*: every edge adapter, forward and backward, runs with all ranks simulated in one
    process on random data, and each consumer slot must hold exactly its region's values
-   (``ssdsl.runtime.comm.verify_adapter``, whose expected values are sliced from full tensors,
+   (``ssdsl.runtime.adapters.verify_adapter``, whose expected values are sliced from full tensors,
    not computed by the steps).
 3. *Whole step* (``simulate_plan``): every rank's lowered program walked in one process by the
    simulator (``ssdsl.runtime.simulate``), the same walk as the distributed executor's; the loss
@@ -25,11 +25,12 @@ import attrs
 import torch
 
 from ssdsl.errors import SsdslError
+from ssdsl.ir.grad import grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.lower import lower_plan
 from ssdsl.materialize.program import Materialized, _region
 from ssdsl.materialize.report import uses_fallback
-from ssdsl.runtime.comm import verify_adapter
+from ssdsl.runtime.adapters import verify_adapter
 from ssdsl.runtime.reference import run_reference
 from ssdsl.runtime.simulate import Simulation, simulate_model_file
 from ssdsl.runtime.train import OptimizerSpec
@@ -101,7 +102,8 @@ def edge_problems(m: Materialized, key: EdgeKey, *, seed: int = 0) -> list[str]:
                                                                 atol=_atol(m.dtype))]
     back = edge.adapter.backward
     if back is None:
-        out.append(f"edge {key}: no backward adapter")
+        if key[0] in grad_tensors(m.transformed.graph):  # no gradient needed: none planned
+            out.append(f"edge {key}: no backward adapter")
     else:
         out += [f"edge {key} backward: {p}" for p in verify_adapter(back, seed=seed + 1,
                                                                     atol=_atol(m.dtype))]
@@ -138,13 +140,13 @@ def _check_simulable(m: Materialized) -> None:
 
 
 def compare_with_model(m: Materialized, model_file: ModelFile, sim: Simulation, *,
-                       seed: int = 0, rtol: float | None = None
+                       seed: int = 0, rtol: float | None = None, batch_size: int | None = None
                        ) -> tuple[list[str], float, float]:
     """Problems of ``sim`` (step 0) against the plain model (``run_reference``), the reference
     loss, and the largest gradient error relative to the largest reference gradient entry."""
     if rtol is None:
         rtol = 1e-9 if m.dtype == torch.float64 else 1e-4
-    ref = run_reference(model_file, steps=1, seed=seed, dtype=m.dtype,
+    ref = run_reference(model_file, steps=1, seed=seed, dtype=m.dtype, batch_size=batch_size,
                         optimizer=OptimizerSpec("sgd"), grad_steps=(0,))
     ref_loss, ref_grads = ref.losses[0], ref.grads[0]
     g = m.transformed.graph

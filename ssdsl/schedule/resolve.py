@@ -10,7 +10,8 @@
    ``assign`` of those operators would (one part per device of G, row-major);
 3. ``microbatch along batch into M`` splits every part in time (``ssdsl.transform.microbatch``);
 4. the order directives are lowered (``lower_schedule``) with the stage DAG of the graph: stage a
-   feeds stage b when an operator of b reads a tensor an operator of a produces (skip edges too).
+   feeds stage b when an operator of b reads a tensor an operator of a produces (skip edges too);
+   without stages, orders between operators become the operator order (``order_operators``).
 
 The result is not checked here: ``ssdsl.check.check_schedule`` runs on ``Lowered.schedule``.
 """
@@ -21,11 +22,14 @@ import math
 
 import attrs
 
-from ssdsl.elaborate.directives import Assign, Microbatch, Stages, StageRef
+from ssdsl.errors import ErrorCollector
+from ssdsl.elaborate.directives import Assign, Microbatch, Recompute, Stages, StageRef
 from ssdsl.ir.graph import Op
 from ssdsl.ops import Annotation
 from ssdsl.schedule.lower import LowerError, Lowered, SeveralPipelines, lower_schedule
+from ssdsl.schedule.oporder import order_operators
 from ssdsl.schedule.stages import balance_stages
+from ssdsl.source import Span
 from ssdsl.transform.apply import assign_ops, check_placed
 from ssdsl.transform.microbatch import split_microbatches
 from ssdsl.transform.parts import Transformed
@@ -38,6 +42,10 @@ class StagesNotContiguous(LowerError):
 
 class TooManyStages(LowerError):
     """More stages than operators."""
+
+
+class BadRecompute(LowerError):
+    """A ``recompute`` names a stage the plan does not have."""
 
 
 def op_cost(t: Transformed, op: Op) -> float:
@@ -118,8 +126,44 @@ def resolve_pipeline(t: Transformed) -> tuple[Transformed, Lowered | None]:
         stage_of = stage_map(t, st)
         t = attrs.evolve(assign_ops(t, _stage_assigns(t, st, stage_of)), stage_of=stage_of)
         lowered = lower_schedule(t.deferred, edges=stage_edges(t))
+    else:  # orders between operators: the one operator order every device walks
+        t = order_operators(t)
+    t = attrs.evolve(t, recompute=recompute_ops(t, found[0] if found else None))
     check_placed(t)
     mbs = [d for d in t.deferred if isinstance(d, Microbatch)]
     if mbs:
         t = split_microbatches(t, mbs[-1])
     return t, lowered
+
+
+def recompute_ops(t: Transformed, st: Stages | None) -> dict[str, Span]:
+    """The operators the ``recompute`` statements select (with the span of the first that
+    selects each): ``recompute st[i]`` is the operators
+    of stage i, any other selector is resolved as ``partition`` resolves it (a selector that
+    matches nothing is an error at its statement, with the closest names)."""
+    chosen: dict[str, Span] = {}
+    errors = ErrorCollector()
+    for d in t.deferred:
+        if not isinstance(d, Recompute):
+            continue
+        with errors.catch():
+            _, base = part_prefix(d.selector)
+            names = _stage_ops(t, st, base, d) if isinstance(base, StageRef) \
+                else select_ops(t.graph, d.selector, d.span)
+            for name in names:
+                chosen.setdefault(name, d.span)
+    errors.raise_if_any()
+    return chosen
+
+
+def _stage_ops(t: Transformed, st: Stages | None, ref: StageRef, d: Recompute) -> list[str]:
+    if st is None or ref.group != st.name:
+        have = f"its stages are '{st.name}'" if st is not None else "it has no 'stages' statement"
+        raise BadRecompute(f"'recompute {d.selector}': the plan has no stages named "
+                           f"'{ref.group}' ({have})", d.span,
+                           hint="recompute operators by module path ('recompute h.0..4') or "
+                           "name the stages of the plan's 'stages ... as NAME'")
+    if not 0 <= ref.index < st.count:
+        raise BadRecompute(f"'recompute {d.selector}': stage {ref.index} does not exist "
+                           f"({st.name}[0..{st.count}])", d.span)
+    return [op.name for op in t.graph.ops if t.stage(op.name) == ref.index]

@@ -55,8 +55,14 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
     if model is None:
         with torch.device(device):
             model = model_file.build(seed=seed)
-        if device == "meta":  # what a rank would hit, reported here at the model file's line
-            try_training_step(model_file, model, (inputs, target))
+    # What a rank would hit, reported here at the model file's line: one step on meta (a model
+    # built on meta is used as it is; otherwise a meta twin is built, which allocates nothing).
+    if model is not None and _device_of(model, device).type == "meta":
+        try_training_step(model_file, model, (inputs, target))
+    else:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the caller's RNG kept
+            twin = model_file.build(seed=seed)
+        try_training_step(model_file, twin, (inputs, target))
     dev = _device_of(model, device)
     batch = tuple(t.to(dev) for t in (*inputs, target))
     try:

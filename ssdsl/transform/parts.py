@@ -87,6 +87,9 @@ class Transformed:
     shapes: Mapping[str, tuple[int, ...]] = attrs.field(converter=MappingProxyType, factory=dict)
     input_boxes: Mapping[str, tuple[Any, ...]] = attrs.field(converter=MappingProxyType,
                                                              factory=dict)
+    # The operators ``recompute`` statements select, each with the statement's span (set by
+    # ``ssdsl.schedule.resolve``, which resolves stages and refuses a selection of nothing).
+    recompute: Mapping[str, Any] = attrs.field(converter=MappingProxyType, factory=dict)
 
     def shape(self, tensor: str) -> tuple[int, ...]:
         """The logical shape of ``tensor`` as the parts see it (one micro-batch's, if split)."""

@@ -1,0 +1,265 @@
+"""Calibrate the cost model on this machine, then check what it predicts against measured runs.
+
+    python bench/bench_cost.py measure      # writes ssdsl/cost/cpu.json (the `cpu` profile)
+    python bench/bench_cost.py calibrate    # predicted vs measured gloo step times, 2 ranks
+
+``measure`` times, in one process with the threads a rank gets under ``ssdsl run --nproc 2``:
+float32/float64 matmul FLOP/s, memory bandwidth (a large copy), the fixed cost of a small
+operator (forward with autograd recording, and its backward), and with 2 gloo processes the
+latency and bandwidth of all-reduce and send/recv, fitted together to the alpha-beta model
+(all-reduce of n bytes over 2 ranks: 2 alpha + n / beta; a message: alpha + n / beta).
+``calibrate`` runs ``ssdsl run --json --nproc 2`` for each model and plan and compares the median
+step time (of each run's steps after the first, median over repeats, slowest rank) with
+``ssdsl cost --device cpu`` (the profile is measured again right before each case, as the load of a shared machine
+changes within minutes; runs and profiles are kept in ``bench/cost_measured.json``, and
+``--reuse`` predicts again from them without running). The machine is shared: every figure is a median of repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILE = Path(os.environ.get("SSDSL_CPU_PROFILE") or ROOT / "ssdsl" / "cost" / "cpu.json")
+# "median" (what a run under the current load sees) or "min" (the least-disturbed repeat: on a
+# shared machine, the closest to the machine's own speed), for micro-benchmarks and runs alike
+STAT = os.environ.get("SSDSL_BENCH_STAT", "median")
+RANKS = 2
+
+
+def _threads() -> int:
+    return max(1, (os.cpu_count() or 1) // RANKS)
+
+
+def _median_time(fn, *, repeats: int, inner: int = 1) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t0) / inner)
+    return min(times) if STAT == "min" else statistics.median(times)
+
+
+def matmul_rate(dtype: torch.dtype, n: int, repeats: int) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n ** 3 / _median_time(lambda: torch.mm(a, b), repeats=repeats)
+
+
+def copy_bandwidth(mb: int, repeats: int) -> float:
+    a = torch.randn(mb * 2 ** 20 // 4)
+    b = torch.empty_like(a)
+    return 2 * a.numel() * 4 / _median_time(lambda: b.copy_(a), repeats=repeats)
+
+
+def op_overheads(repeats: int) -> tuple[float, float]:
+    """(seconds per small op, forward and backward averaged; seconds per view)."""
+    n = 200
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def chain() -> torch.Tensor:
+        y = x
+        for _ in range(n):
+            y = y * 1.0001
+        return y
+
+    fwd = _median_time(chain, repeats=repeats) / n
+    both = _median_time(lambda: chain().sum().backward(), repeats=repeats) / n
+    views = _median_time(lambda: [x.view(16).view(4, 4) for _ in range(n // 2)],
+                         repeats=repeats) / n
+    return both / 2 if both > fwd else fwd, views + 0 * fwd
+
+
+CHAIN = """
+import torch, torch.nn as nn
+BATCH_SIZE = 4
+INPUT_DIMS = (("batch", "features"),)
+LAYERS = {layers}
+def build_model():
+    return nn.Sequential(*[m for _ in range(LAYERS) for m in (nn.Linear(8, 8), nn.GELU())])
+def get_batch(step, batch_size):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch_size, 8, generator=g), torch.randint(0, 8, (batch_size,), generator=g)
+"""
+
+
+def executor_overhead(repeats: int) -> float:
+    """Seconds per operator (forward and backward averaged) of the ssdsl executor itself: the
+    step time of a chain of tiny layers, fitted linearly in the number of operators."""
+    from ssdsl.runtime.executor import RankProgram
+    from ssdsl.runtime.job import JobSpec, plan_job
+    from ssdsl.runtime.train import OptimizerSpec
+    points = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layers in (4, 16, 32):
+            path = Path(tmp) / f"chain{layers}.py"
+            path.write_text(CHAIN.format(layers=layers))
+            mf, m, model = plan_job(JobSpec(model=str(path), plan="dp"), 1)
+            prog = RankProgram(m, 0, mf, model, dtype=torch.float32,
+                               optimizer=OptimizerSpec("sgd"), groups=None)
+            ops = len(m.transformed.graph.ops)
+            points.append((ops, _median_time(lambda: prog.step(0, None), repeats=repeats)))
+    # least-squares slope of step time over operator count
+    mean_n = statistics.fmean(n for n, _ in points)
+    mean_t = statistics.fmean(t for _, t in points)
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / \
+        sum((n - mean_n) ** 2 for n, _ in points)
+    return slope / 2
+
+
+def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, out: str) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(_threads())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=RANKS)
+    rows = []
+    for n in sizes:
+        buf = torch.zeros(max(1, n // 4))
+        for kind in ("all_reduce", "p2p"):
+            def once() -> None:
+                if kind == "all_reduce":
+                    dist.all_reduce(buf)
+                elif rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+            dist.barrier()
+            t = _median_time(once, repeats=repeats)
+            rows.append((kind, buf.numel() * 4, t / (2 if kind == "p2p" else 1)))
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def comm_fit(repeats: int) -> dict[str, float]:
+    """Alpha-beta of gloo between 2 local processes, fitted to all-reduce and send/recv."""
+    import numpy as np
+    import torch.multiprocessing as mp
+    sizes = [4, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        port = 29500 + os.getpid() % 1000
+        mp.spawn(_comm_worker, args=(port, sizes, repeats, f.name), nprocs=RANKS)
+        rows = json.loads(Path(f.name).read_text())
+    a = np.array([[2.0 if k == "all_reduce" else 1.0, n] for k, n, _ in rows])
+    t = np.array([s for _, _, s in rows])
+    # relative least squares: each size weighs alike (latency and bandwidth both matter)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
+    return {"alpha": float(max(alpha, 1e-6)), "beta": float(1 / max(inv_beta, 1e-12)),
+            "rows": rows}
+
+
+def measure(args: argparse.Namespace) -> None:
+    torch.set_num_threads(_threads())
+    r = args.repeats
+    f32 = max(matmul_rate(torch.float32, n, r) for n in (256, 512, 1024))
+    f64 = max(matmul_rate(torch.float64, n, r) for n in (256, 512))
+    bw = copy_bandwidth(64, r)
+    op, view = op_overheads(r)
+    # the executor's own per-operator work (interpreting the part, adapters, autograd
+    # functions) comes on top of eager dispatch, for views as for other operators
+    eager = op
+    per_op = max(op, executor_overhead(r))
+    op, view = per_op, view + per_op - op
+    comm = comm_fit(r)
+    prof = {"name": "cpu", "peak": {"float32": f32, "float64": f64}, "memory": 16e9,
+            "memory_bw": bw, "intra_bw": comm["beta"], "intra_latency": comm["alpha"],
+            "inter_bw": comm["beta"], "inter_latency": comm["alpha"], "per_node": 1024,
+            "compute_efficiency": 1.0, "memory_efficiency": 1.0, "op_overhead": op,
+            "view_overhead": view, "param_overhead": eager, "flash_attention": False,
+            "source": f"measured by bench/bench_cost.py on this machine ({_threads()} threads "
+                      f"per rank, gloo, {time.strftime('%Y-%m-%d')}, medians of {r})"}
+    PROFILE.write_text(json.dumps(prof, indent=1) + "\n")
+    if not getattr(args, "quiet", False):
+        print(json.dumps({**prof, "comm_samples": comm["rows"]}, indent=1))
+        print(f"wrote {PROFILE}")
+
+
+CASES = [("examples/gpt.py", p) for p in ("dp", "megatron_tp", "1f1b")] + \
+        [("bench/gpt_small.py", p) for p in ("dp", "megatron_tp", "1f1b")]
+
+
+def _measured(model: str, plan: str, steps: int) -> float:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "ssdsl", "run", model, plan, "--nproc",
+                          str(RANKS), "--steps", str(steps), "--json"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    data = json.loads(out[out.index("{"):])
+    ranks = data.get("ranks") or data.get("result", {}).get("ranks")
+    return max(r["median_step_s"] for r in ranks)
+
+
+def _predicted(model: str, plan: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "ssdsl", "cost", model, plan, "--world",
+                          str(RANKS), "--device", "cpu", "--json"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out[out.index("{"):])
+
+
+MEASURED = ROOT / "bench" / ("cost_measured.json" if STAT == "median" else f"cost_measured_{STAT}.json")
+
+
+def calibrate(args: argparse.Namespace) -> None:
+    rows = []
+    saved = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
+    for model, plan in CASES:
+        if args.only and args.only not in f"{model}:{plan}":
+            continue
+        key = f"{model}:{plan}"
+        if args.reuse and key in saved:
+            runs = saved[key]["runs"]
+            PROFILE.write_text(json.dumps(saved[key]["profile"], indent=1) + "\n")
+        else:
+            # the load of this shared machine changes several-fold within minutes: the profile
+            # is measured again right before each case's runs
+            measure(argparse.Namespace(repeats=args.profile_repeats, quiet=True))
+            runs = [_measured(model, plan, args.steps) for _ in range(args.repeats)]
+            saved[key] = {"runs": runs, "profile": json.loads(PROFILE.read_text())}
+            MEASURED.write_text(json.dumps(saved, indent=1) + "\n")
+        measured = min(runs) if STAT == "min" else statistics.median(runs)
+        pred = _predicted(model, plan)["step_time_s"]
+        err = pred / measured - 1
+        rows.append({"model": model, "plan": plan, "predicted_ms": pred * 1e3,
+                     "measured_ms": measured * 1e3, "runs_ms": [x * 1e3 for x in runs],
+                     "error": err})
+        print(json.dumps(rows[-1]), flush=True)
+    print("| model | plan | predicted ms | measured ms (median) | error |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['model']} | {r['plan']} | {r['predicted_ms']:.1f} | "
+              f"{r['measured_ms']:.1f} | {r['error']:+.0%} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--repeats", type=int, default=15)
+    m.set_defaults(func=measure)
+    c = sub.add_parser("calibrate")
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--steps", type=int, default=12)
+    c.add_argument("--profile-repeats", type=int, default=7)
+    c.add_argument("--reuse", action="store_true",
+                   help=f"predict again against the runs saved in {MEASURED.name}")
+    c.add_argument("--only", default=None, help="run only cases whose 'model:plan' contains it")
+    c.set_defaults(func=calibrate)
+    a = p.parse_args()
+    a.func(a)
+
+
+if __name__ == "__main__":
+    main()

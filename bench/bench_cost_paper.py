@@ -1,0 +1,102 @@
+"""Predicted step time, bubble and memory of paper-scale models under ssdsl's plans (no run).
+
+    python bench/bench_cost_paper.py                       # all models, 32 x V100, float16
+    python bench/bench_cost_paper.py --only swin --device a100
+
+Each model file under ``bench/paper/`` is traced once on the meta device; every plan is
+applied, materialized and costed by ``ssdsl.cost`` (the same path as ``ssdsl cost``). A plan that
+ssdsl refuses for a model is reported with its error's first line. Prints one JSON line per
+(model, plan) and a markdown table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from ssdsl.cost import Cluster, CostOptions, estimate, profile
+from ssdsl.elaborate import elaborate_file
+from ssdsl.errors import SsdslError
+from ssdsl.materialize.program import materialize
+from ssdsl.runtime.job import schedule_plan
+from ssdsl.trace import trace
+from ssdsl.trace.model_file import load_model_file
+
+PAPER = Path(__file__).resolve().parent / "paper"
+SWIN_NAMES = {"blocks": "stages.*.*", "attn_out": "attn.proj", "mlp_out": "mlp.2"}
+EVO_NAMES = {"blocks": "blocks.*", "attn": "row_attn", "attn_out": "row_attn.out",
+             "mlp": "msa_transition", "mlp_out": "msa_transition.fc2"}
+MODELS = {"swin": SWIN_NAMES, "t5": {}, "gpt_vocab": {}, "evoformer": EVO_NAMES}
+
+
+def plans(names: dict[str, str], world: int, batch: int) -> list[tuple[str, str, dict]]:
+    """(label, stdlib plan, --set values) for the plans ssdsl has today."""
+    tp = min(8, world)
+    pp = world // tp
+    mb = min(batch, 2 * world)
+    dp_tp = str(PAPER / "dp_tp_named.ssp")
+    dp_tp_1f1b = str(PAPER / "dp_tp_1f1b_named.ssp")
+    return [
+        ("dp", "dp", {}),
+        (f"megatron_tp in dp_tp (dp={world // tp}, tp={tp})", dp_tp,
+         {"dp": str(world // tp), "tp": str(tp), **names}),
+        (f"1f1b ({world} stages, {mb} mb)", "1f1b", {"microbatches": str(mb)}),
+        (f"gpipe ({world} stages, {mb} mb)", "gpipe", {"microbatches": str(mb)}),
+        (f"dp_tp_1f1b (tp={tp}, pp={pp}, {min(batch, 4 * pp)} mb)", dp_tp_1f1b,
+         {"dp": "1", "tp": str(tp), "pp": str(pp), "microbatches": str(min(batch, 4 * pp)),
+          **names}),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="v100")
+    p.add_argument("--world", type=int, default=32)
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--only", default=None)
+    p.add_argument("--plan", default=None, help="only plans whose label contains this")
+    a = p.parse_args()
+    prof = profile(a.device)
+    opts = CostOptions(profile=prof, cluster=Cluster(a.world, prof.per_node), dtype=a.dtype,
+                       optimizer="adamw")
+    rows = []
+    for name, names in MODELS.items():
+        if a.only and a.only != name:
+            continue
+        t0 = time.perf_counter()
+        mf = load_model_file(PAPER / f"{name}.py")
+        graph = trace(mf, device="meta")
+        nparams = sum(graph.tensors[t].numel for t in graph.params)
+        print(f"# {name}: {len(graph.ops)} ops, {nparams / 1e9:.2f}B parameters, traced in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+        for label, plan, sets in plans(names, a.world, mf.batch_size):
+            if a.plan and a.plan not in label:
+                continue
+            t0 = time.perf_counter()
+            row = {"model": name, "plan": label, "params_B": nparams / 1e9}
+            try:
+                t, lowered = schedule_plan(graph, elaborate_file(plan, world=a.world, sets=sets))
+                r = estimate(materialize(t, schedule=lowered), opts)
+                row.update(step_s=r.step_time, bubble=r.bubble, comm_s=r.communication,
+                           peak_GB=r.peak_memory / 1e9, fits=r.peak_memory <= prof.memory)
+            except SsdslError as err:
+                row["error"] = str(err).splitlines()[0][:160]
+            row["plan_s"] = time.perf_counter() - t0
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{a.world} x {prof.name}, {a.dtype}, AdamW\n")
+    print("| model | plan | step (s) | bubble | comm (s) | peak memory (GB) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['plan']} | refused: {r['error']} | | | |")
+            continue
+        fit = "" if r["fits"] else " (over)"
+        print(f"| {r['model']} | {r['plan']} | {r['step_s']:.3g} | {r['bubble']:.0%} | "
+              f"{r['comm_s']:.3g} | {r['peak_GB']:.3g}{fit} |")
+
+
+if __name__ == "__main__":
+    main()

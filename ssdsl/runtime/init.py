@@ -1,0 +1,258 @@
+"""Initial shards without the full model on a rank (DESIGN §6).
+
+The initial values must be exactly the single-device model's for the same seed. A model's
+initialisation is one pass of the global random generator over all its parameters in
+construction order (and ``apply(init_weights)`` passes after it), so the values of one shard
+depend on every parameter created before it: no rank can compute its shards alone without
+replaying the whole construction. So the values are made once per machine, by a process that
+is not training, and each rank reads only its regions:
+
+- ``ssdsl run --nproc N``: the launching process (which plans the job anyway) builds the seeded
+  model once and writes its parameters and buffers to a file (``initial_state_file``); it then
+  frees them and starts the ranks.
+- under ``torchrun`` (no planning parent): local rank 0 of each machine writes the file, the
+  others wait at a barrier (``shared_state_file``). That one process holds the full model once,
+  before training, and frees it; this is the limit of that path.
+
+A rank reads its regions out of the file with positioned reads (one per contiguous run), so it
+reads exactly their bytes; memory-mapping was tried first and measured worse: the kernel maps
+the neighbouring pages of every fault (64 KiB), so a rank reading a column block of every row
+counted nearly the whole file in its memory. The rank plans from a trace on the ``meta`` device
+(``ssdsl.runtime.job.plan_for_ranks``), so it never builds the
+model's tensors either; creation operators traced on ``meta`` are moved back to the run's device.
+
+Limits: a model whose traced graph lifts tensor constants (``torch.tensor(...)`` in forward) is
+planned from a real trace (its constants have no values on ``meta``), so its ranks still build it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from ssdsl.ir.graph import Graph, Op
+from ssdsl.ir.region import Region
+
+_CONST = "constant:"
+
+
+# -- planning on meta ------------------------------------------------------------------------------
+
+
+def on_device(graph: Graph, device: str | torch.device) -> Graph:
+    """``graph`` with every ``meta`` device argument of its operators (``arange(..., device=)``,
+    ``to(x, device, dtype)``) set to ``device``."""
+    meta = torch.device("meta")
+    target = torch.device(device)
+
+    def swap(v: Any) -> Any:  # a device argument, by keyword or by position (``to.device``)
+        if isinstance(v, torch.device):
+            return target if v == meta else v
+        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            return type(v)(swap(x) for x in v)
+        return v
+
+    def fix(op: Op) -> Op:
+        args, kwargs = swap(op.args), tuple((k, swap(v)) for k, v in op.kwargs)
+        return op if (args, kwargs) == (op.args, op.kwargs) else \
+            attrs.evolve(op, args=args, kwargs=kwargs)
+
+    return attrs.evolve(graph, ops=tuple(fix(op) for op in graph.ops))
+
+
+def has_tensor_constants(graph: Graph) -> bool:
+    """Whether the trace lifted tensor constants (which have no values on ``meta``)."""
+    return any(isinstance(v, torch.Tensor) for v in graph.constants.values())
+
+
+# -- the state file ---------------------------------------------------------------------------------
+
+
+def named_values(model: torch.nn.Module, graph: Graph) -> dict[str, torch.Tensor]:
+    """Graph tensor name -> value, for parameters, buffers (through tied names) and constants."""
+    by_qual = dict(model.named_parameters(remove_duplicate=False))
+    by_qual.update(dict(model.named_buffers(remove_duplicate=False)))
+    out: dict[str, torch.Tensor] = {}
+    for name, qual in {**graph.params, **graph.buffers}.items():
+        for q in (qual, *graph.aliases.get(qual, ())):
+            if q in by_qual:
+                out[name] = by_qual[q]
+                break
+    out.update((k, v) for k, v in graph.constants.items() if isinstance(v, torch.Tensor))
+    return out
+
+
+_MAGIC = b"SSDSL-STATE-1\n"
+
+
+def write_state(model: torch.nn.Module, path: str | Path) -> Path:
+    """Write ``model``'s parameters and buffers (by qualified name, tied ones once) to ``path``:
+    a JSON header (name -> dtype, shape, byte offset) then each tensor's bytes, row-major, so a
+    reader can fetch any region with positioned reads (``StateFile``)."""
+    path = Path(path)
+    named = {k: v.detach() for k, v in model.named_parameters()}
+    named.update((k, v.detach()) for k, v in model.named_buffers())
+    header, offset = {}, 0
+    for name, t in named.items():
+        header[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                        "offset": offset}
+        offset += t.numel() * t.element_size()
+    head = json.dumps(header).encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(_MAGIC + struct.pack("<Q", len(head)) + head)
+        for t in named.values():
+            if t.numel():
+                f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # readers never see half a file
+    return path
+
+
+class StateFile:
+    """A written state, read region by region with positioned reads: a rank reads exactly the
+    bytes of its regions (no mapping, so no neighbouring pages count in its memory)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        with open(self.path, "rb") as f:
+            if f.read(len(_MAGIC)) != _MAGIC:
+                raise ValueError(f"{self.path} is not an ssdsl state file")
+            (n,) = struct.unpack("<Q", f.read(8))
+            self._header = json.loads(f.read(n))
+            self._base = len(_MAGIC) + 8 + n
+        # kept open: the writer may remove the name once every rank has opened it
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            os.close(self._fd)
+
+    def read(self, graph: Graph, name: str, region: Region) -> torch.Tensor | None:
+        """``region`` of graph tensor ``name`` (a parameter or buffer), None if not stored."""
+        qual = {**graph.params, **graph.buffers}.get(name)
+        entry = next((self._header[q] for q in (qual, *graph.aliases.get(qual, ()))
+                      if q in self._header), None) if qual else None
+        if entry is None:
+            return None
+        dtype = getattr(torch, entry["dtype"])
+        out = torch.empty(region.local_shape, dtype=dtype)
+        if out.numel() == 0:
+            return out
+        buf = memoryview(out.view(-1).view(torch.uint8).numpy())
+        item = out.element_size()
+        at = 0
+        for offset, length in _spans(tuple(entry["shape"]), region.intervals):
+            n = length * item
+            got = os.preadv(self._fd, [buf[at:at + n]], self._base + entry["offset"] + offset * item)
+            if got != n:
+                raise OSError(f"{self.path}: short read of '{name}'")
+            at += n
+        return out
+
+
+def _spans(shape: tuple[int, ...], intervals: tuple) -> Iterator[tuple[int, int]]:
+    """(element offset, element count) of the contiguous runs of a region of a row-major
+    tensor, in the region's own row-major order (trailing whole dims merge into one run)."""
+    if not shape:
+        yield 0, 1
+        return
+    k = len(shape) - 1
+    while k > 0 and tuple(intervals[k]) == ((0, shape[k]),):
+        k -= 1
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    lead = [[i for a, b in intervals[d] for i in range(a, b)] for d in range(k)]
+    for idx in itertools.product(*lead):
+        base = sum(i * strides[d] for d, i in enumerate(idx))
+        for a, b in intervals[k]:
+            yield base + a * strides[k], (b - a) * strides[k]
+
+
+class LiveModel:
+    """The values of a live seeded model (what every rank built before the state file)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def read(self, graph: Graph, name: str, region: Region) -> torch.Tensor | None:
+        full = named_values(self.model, graph).get(name)
+        return None if full is None else region.slice_of(full).detach().clone()
+
+
+Source = torch.nn.Module | StateFile
+
+
+def init_shards(m: Any, rank: int, source: Source
+                ) -> tuple[dict[tuple[str, Region], torch.Tensor],
+                           dict[tuple[str, Region], torch.Tensor]]:
+    """This rank's parameter shards (leaves requiring grad) and fixed tensors (buffers,
+    constants), keyed by (graph tensor name, region), copied from ``source``: a live seeded
+    model, or a ``StateFile`` of one (only the regions' bytes are read)."""
+    graph = m.transformed.graph
+    reader = LiveModel(source) if isinstance(source, torch.nn.Module) else source
+    constants = {k: v for k, v in graph.constants.items() if isinstance(v, torch.Tensor)}
+    leaves: dict[tuple[str, Region], torch.Tensor] = {}
+    fixed: dict[tuple[str, Region], torch.Tensor] = {}
+    for (name, _op, _slot, device), use in m.sources.items():
+        if device != rank or name in graph.inputs:
+            continue
+        key = (name, use.region)
+        into = leaves if name in graph.params else fixed
+        if key in into:
+            continue
+        value = use.region.slice_of(constants[name]).clone() if name in constants \
+            else reader.read(graph, name, use.region)
+        if value is None:
+            continue
+        # readers return fresh tensors (never views of a model): cast floats to the run's dtype
+        # as the model is cast, without a second copy when it is already that dtype
+        value = value.to(dtype=m.dtype) if value.is_floating_point() else value
+        into[key] = value.requires_grad_(True) if into is leaves else value
+    return leaves, fixed
+
+
+# -- who writes it ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def initial_state_file(model_file: Any, *, seed: int) -> Iterator[str]:
+    """A state file of the seeded model, in a temporary directory removed on exit (the
+    launching process of ``ssdsl run --nproc`` writes it once, before the ranks start)."""
+    model = model_file.build(seed=seed)
+    with tempfile.TemporaryDirectory(prefix="ssdsl-init-") as tmp:
+        path = write_state(model, Path(tmp) / "initial_state.pt")
+        del model
+        yield str(path)
+
+
+def shared_state_file(model_file: Any, *, seed: int, local_rank: int, barrier,
+                      key: str) -> StateFile:
+    """Under torchrun: local rank 0 writes the seeded model's state to a machine-local file,
+    every local rank opens it after ``barrier()``. ``key`` names the job (same on all ranks)."""
+    digest = hashlib.sha1(f"{key}:{seed}:{model_file.path}".encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"ssdsl-init-{digest}.pt"
+    if local_rank == 0:
+        model = model_file.build(seed=seed)
+        write_state(model, path)
+        del model
+    barrier()
+    state = StateFile(path)
+    barrier()  # everyone has it open: the name can go (an open file keeps its data)
+    if local_rank == 0:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    return state

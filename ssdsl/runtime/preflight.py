@@ -1,0 +1,343 @@
+"""Verification before launch: a plan that trains differently from one device never starts.
+
+``verify_before_launch`` is what ``ssdsl run`` and ``ssdsl.parallelize`` call before any rank
+starts (DESIGN §7). It plans the job as the ranks will, then:
+
+1. calls ``get_batch`` twice for the same step and refuses a model file whose batches differ
+   (every rank calls it and must see the same batch);
+2. refuses random operators in the traced training graph (dropout with p > 0, ``rand``,
+   ``bernoulli``, ...: every operator PyTorch tags ``nondeterministic_seeded``): each rank would
+   draw its own numbers, and no single-device run would match;
+3. simulates one training step of all ranks in one process (``simulate_step``) against the plain
+   model on the same batch, in float64 when the model builds and traces in it. A difference
+   raises ``TrainsDifferently`` naming the first operator and tensor where the forward values
+   part, and the plan statement behind it (exit status 2, before any rank starts).
+
+It says, never silently, when it did not verify: skipped by request, a model too large to
+simulate in this process's memory (an estimate of the simulation's bytes against the memory
+available), or a plan the simulator cannot run yet.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import attrs
+import torch
+
+from ssdsl.errors import SsdslError
+from ssdsl.ir.graph import Graph, map_tensor_refs
+from ssdsl.ir.interpret import call_target, resolve_target
+from ssdsl.ir.region import Region
+from ssdsl.materialize.program import Materialized
+from ssdsl.runtime.init import named_values
+from ssdsl.runtime.job import JobSpec, plan_job
+from ssdsl.runtime.reference import to_dtype
+from ssdsl.trace.model_file import ModelFile, load_model_file
+
+
+class NonDeterministicBatch(SsdslError):
+    """``get_batch`` gave two different batches for the same step."""
+
+
+class RandomOperator(SsdslError):
+    """The traced training step draws random numbers (dropout, rand, ...)."""
+
+
+class TrainsDifferently(SsdslError):
+    """One simulated step of all ranks differs from the plain model."""
+
+
+@attrs.frozen
+class Verification:
+    """What verification before launch did: ``status`` is ``verified``, ``skipped`` or
+    ``not verified``; ``reason`` says why when it is not ``verified``."""
+
+    status: str
+    reason: str = ""
+    seconds: float = 0.0
+    dtype: str = ""
+    loss: float | None = None
+    reference_loss: float | None = None
+    max_grad_error: float | None = None
+
+    @property
+    def verified(self) -> bool:
+        return self.status == "verified"
+
+    def line(self) -> str:
+        """One line for the user."""
+        if self.verified:
+            return (f"verified before launch ({self.seconds:.1f} s): one step of all ranks, "
+                    f"simulated in {self.dtype}, matches the plain model (loss {self.loss:.6g}, "
+                    f"worst gradient error {self.max_grad_error:.2g})")
+        return f"NOT verified against the plain model: {self.reason}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def verify_before_launch(spec: JobSpec, world: int, *, enabled: bool = True,
+                         available_bytes: int | None = None) -> Verification:
+    """Plan ``spec`` for ``world`` ranks and verify it (module doc); raises the ``SsdslError``
+    that stops the launch, else says what was verified. With ``enabled=False`` the job is only
+    planned (its faults still raise) and the result says verification was skipped."""
+    start = time.perf_counter()
+    if not enabled:
+        plan_job(spec, world)
+        return Verification("skipped", "skipped by request (--no-verify)")
+    mf = load_model_file(spec.model)
+    check_batch_deterministic(mf, spec.batch_size)
+    m, dtype = _plan_for_verification(spec, world)
+    refuse_random_operators(m.transformed.graph, mf.path)
+    need, have = simulation_bytes(m), available_memory() if available_bytes is None \
+        else available_bytes
+    if need > have // 2:
+        return Verification("not verified", f"the model is too large to simulate in this "
+                            f"process: about {need / 2**30:.1f} GiB needed, "
+                            f"{have / 2**30:.1f} GiB available", time.perf_counter() - start)
+    try:
+        verdict = simulate_step(m, mf, seed=spec.seed, batch_size=spec.batch_size)
+    except SimulatorCannotRun as why:
+        return Verification("not verified", str(why), time.perf_counter() - start)
+    if not verdict.ok:
+        raise _difference(m, mf, verdict, seed=spec.seed, batch_size=spec.batch_size)
+    return Verification("verified", "", time.perf_counter() - start, dtype, verdict.loss,
+                        verdict.reference_loss, verdict.max_grad_error)
+
+
+# -- 1 and 2: the model file's contract ---------------------------------------------------------
+
+
+def check_batch_deterministic(mf: ModelFile, batch_size: int | None) -> None:
+    """``NonDeterministicBatch`` when two calls of ``get_batch(0, ...)`` differ."""
+    first, second = mf.get_batch(0, batch_size), mf.get_batch(0, batch_size)
+    a, b = (*first[0], first[1]), (*second[0], second[1])
+    if len(a) != len(b) or any(x.shape != y.shape or not torch.equal(x, y) for x, y in zip(a, b)):
+        raise NonDeterministicBatch(
+            "get_batch(0, batch_size) returned two different batches: every rank calls it and "
+            "must get the same batch", file=mf.path,
+            hint="draw the batch from a generator seeded by the step, e.g. "
+            "torch.Generator().manual_seed(step)")
+
+
+def random_operators(graph: Graph) -> list[str]:
+    """Names of the operators that draw random numbers in a training step."""
+    found = []
+    for op in graph.ops:
+        target = resolve_target(op.target)
+        if torch.Tag.nondeterministic_seeded in target.tags and not _draws_nothing(op, target):
+            found.append(op.name)
+    return found
+
+
+def _draws_nothing(op, target) -> bool:
+    """A dropout-like operator with probability 0, or not training (``dropout(x, p, train)``,
+    ``scaled_dot_product_attention(..., dropout_p=0.0)``): it draws nothing."""
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(target._schema.arguments):
+        if i < len(op.args):
+            bound[arg.name] = op.args[i]
+        elif arg.name in dict(op.kwargs):
+            bound[arg.name] = dict(op.kwargs)[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    if "train" in bound and bound["train"] is False:
+        return True
+    return any(bound.get(name) == 0 for name in ("p", "dropout_p"))
+
+
+def refuse_random_operators(graph: Graph, path: str) -> None:
+    """``RandomOperator`` naming the first random operator of ``graph``, if any."""
+    found = random_operators(graph)
+    if not found:
+        return
+    op = graph.op(found[0])
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    raise RandomOperator(
+        f"the training step draws random numbers: operator '{op.name}' ({op.kind}, in "
+        f"'{op.module or '<top>'}'){more}; each rank would draw different numbers, so the "
+        "parallel run could not equal the single-device model", file=path,
+        hint="set dropout probabilities to 0 (or build the model without random operators)")
+
+
+# -- 3: one simulated step -----------------------------------------------------------------------
+
+
+class SimulatorCannotRun(Exception):
+    """The all-ranks simulator does not run this plan (not a fault of the plan)."""
+
+
+def simulate_step(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int | None) -> Any:
+    """One training step of all ranks simulated in this process against the plain model: a
+    verdict with ``ok``, ``problems``, ``loss``, ``reference_loss``, ``max_grad_error``.
+
+    The one call into the simulator (``ssdsl.runtime.verify``), so that verification covers
+    whatever plans the simulator covers."""
+    from ssdsl.runtime.verify import PlanVerdict, compare_with_model, simulate_plan
+    try:
+        sim = simulate_plan(m, mf, seed=seed, batch_size=batch_size)
+        problems, ref_loss, worst = compare_with_model(m, mf, sim, seed=seed,
+                                                       batch_size=batch_size)
+    except ValueError as exc:  # the simulator's refusal of plans it does not run
+        raise SimulatorCannotRun(f"the all-ranks simulator cannot run this plan yet ({exc})") \
+            from exc
+    except SsdslError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a fault of the simulator: said, not hidden
+        raise SimulatorCannotRun(f"the all-ranks simulator failed on this plan "
+                                 f"({type(exc).__name__}: {exc}); please report it") from exc
+    return PlanVerdict(tuple(problems), len(m.edges), (), sim.loss, ref_loss, worst)
+
+
+def _plan_for_verification(spec: JobSpec, world: int) -> tuple[Materialized, str]:
+    """The job planned in float64 (a wrong scaling cannot hide in rounding there), or in the
+    run's dtype when the model does not build or trace in float64."""
+    if spec.dtype != "float64":
+        try:
+            _, m, _ = plan_job(attrs.evolve(spec, dtype="float64"), world)
+            return m, "float64"
+        except Exception:  # noqa: BLE001 - a model that traces in its own dtype only (float
+            pass           # inputs from get_batch into float64 weights); a real fault recurs below
+    _, m, _ = plan_job(spec, world)
+    return m, spec.dtype
+
+
+def simulation_bytes(m: Materialized) -> int:
+    """Estimated bytes the simulation holds at its peak: every rank's parameter shards with
+    their gradients, every part's outputs (activations) with their gradients, and three copies
+    of the full parameters (the seeded model, the reference and its gradients)."""
+    t = m.transformed
+    item = torch.empty((), dtype=m.dtype).element_size()
+    g = t.graph
+    full = sum(g.tensors[p].numel for p in g.params if p in g.tensors)
+    shards = sum(use.region.numel() for key, use in m.sources.items() if key[0] in g.params)
+    acts = 0
+    for op in g.ops:
+        for part in t.parts[op.name]:
+            for x, intervals in zip(op.outputs, part.sub.outputs):
+                if intervals is not None and x in g.tensors:
+                    acts += Region(t.shape(x), tuple(intervals)).numel()
+    reference = sum(g.tensors[x].numel for op in g.ops for x in op.outputs if x in g.tensors)
+    return item * (2 * shards + 2 * acts + 3 * full + 2 * reference)
+
+
+def available_memory() -> int:
+    """Bytes this process may still allocate (``MemAvailable``; shared by the local ranks when
+    each of them verifies, as under torchrun)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    have = int(line.split()[1]) * 1024
+                    return have // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except OSError:
+        pass
+    return 1 << 62  # unknown: try, the simulation fails loudly if memory runs out
+
+
+# -- where the values part -----------------------------------------------------------------------
+
+
+def _difference(m: Materialized, mf: ModelFile, verdict: Any, *, seed: int,
+                batch_size: int | None) -> TrainsDifferently:
+    where = first_divergence(m, mf, seed=seed, batch_size=batch_size)
+    problems = "\n  ".join(verdict.problems[:8])
+    if where is not None:
+        text, span = where
+        return TrainsDifferently(
+            f"one simulated training step differs from the plain model; {text}:\n  {problems}",
+            span, hint="the plan (or ssdsl) computes something else than the model here; "
+            "--no-verify would start it anyway")
+    span = _param_span(m, verdict.problems)
+    return TrainsDifferently(
+        f"one simulated training step differs from the plain model (the forward values agree; "
+        f"the gradients part):\n  {problems}", span,
+        hint="the plan (or ssdsl) computes something else than the model here; --no-verify "
+        "would start it anyway")
+
+
+def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int | None
+                     ) -> tuple[str, Any] | None:
+    """The first operator (graph order) whose output on some device differs from the plain
+    model's values of its region, with the plan statement that made that part; None when every
+    forward value agrees (or the plan has micro-batches or stages, which this walk skips)."""
+    from ssdsl.runtime.comm import simulate_steps
+
+    t, g = m.transformed, m.transformed.graph
+    if m.schedule is not None or t.microbatches > 1:
+        return None
+    model = mf.build(seed=seed).to(m.dtype)
+    values = named_values(model, g)
+    inputs, target = mf.get_batch(0, batch_size)
+    ref: dict[str, torch.Tensor] = dict(zip(g.inputs, to_dtype((*inputs, target), m.dtype)))
+    ref.update(values)
+    env: dict[int, dict[str, torch.Tensor]] = {}
+    tol = 1e-9 if m.dtype == torch.float64 else 1e-4
+    with torch.no_grad():
+        for op in g.ops:
+            lookup = lambda r: ref[r.name]  # noqa: E731
+            out = call_target(op.target, map_tensor_refs(op.args, lookup),
+                              {k: map_tensor_refs(v, lookup) for k, v in op.kwargs})
+            ref.update(zip(op.outputs, tuple(out) if op.returns == "list" else (out,)))
+            found = _run_parts(m, op, ref, env, tol, simulate_steps)
+            if found is not None:
+                return found
+    return None
+
+
+def _run_parts(m: Materialized, op, ref, env, tol: float, simulate_steps) -> tuple | None:
+    t = m.transformed
+    sizes = t.label_sizes(op.name)
+    for part in t.parts[op.name]:
+        local: list[Any] = [None] * len(op.inputs)
+        for slot, name in enumerate(op.inputs):
+            if part.sub.inputs[slot] is None:
+                continue
+            edge = m.edges.get((name, op.name, slot))
+            if edge is None:
+                local[slot] = m.sources[(name, op.name, slot, part.device)].region.slice_of(
+                    ref[name])
+                continue
+            ad = edge.adapter
+            state: dict[int, list[torch.Tensor]] = {}
+            for d, _ in ad.producers:
+                state.setdefault(d, []).append(env[d][name])
+            out = simulate_steps(ad.steps, state, state[ad.producers[0][0]][0])
+            mine = [i for i, (d, _) in enumerate(ad.consumers) if d == part.device]
+            local[slot] = out[part.device][0] if mine else None
+        args, kwargs = part.sub.local.bind(local)
+        res = call_target(part.sub.local.target, args, kwargs)
+        outs = tuple(res) if op.returns == "list" else (res,)
+        if part.sub.local.scale != 1.0:
+            outs = tuple(o * part.sub.local.scale for o in outs)
+        env.setdefault(part.device, {}).update(zip(op.outputs, outs))
+        k, v = part.value_part(sizes)
+        if v != 1:
+            continue  # a partial sum: its consumers' inputs show whether the sum is right
+        for x, got, intervals in zip(op.outputs, outs, part.sub.outputs):
+            if intervals is None or not got.is_floating_point():
+                continue
+            want = Region(t.shape(x), tuple(intervals)).slice_of(ref[x])
+            scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+            if got.shape != want.shape or float((got - want).abs().max()) > tol * scale:
+                span = part.span or part.assigned_at
+                return (f"the values first part at operator '{op.name}' ({op.kind}, in "
+                        f"'{op.module or '<top>'}'), tensor '{x}', part {part.index} on device "
+                        f"{part.device}", span)
+    return None
+
+
+def _param_span(m: Materialized, problems) -> Any:
+    """The plan statement of a part reading the first parameter a problem names, if any."""
+    g = m.transformed.graph
+    for name, qual in g.params.items():
+        if any(qual in p for p in problems):
+            for (tensor, op, _slot, device), _ in m.sources.items():
+                if tensor == name:
+                    part = m.part_on(op, device)
+                    if part is not None and (part.span or part.assigned_at):
+                        return part.span or part.assigned_at
+    return None

@@ -1,0 +1,74 @@
+"""Wrong plans found after the front end: by the graph (transform), the schedule (stages,
+micro-batches, order) or materialization, each against examples/gpt.py.
+
+Each file in tests/plans/phase_bad starts with a header written by hand from the plan text::
+
+    # world: 2
+    # expect: ErrorClass LINE:COL [in FILE]
+
+The plan goes through every static phase `ssdsl check` runs; the first error must be of that
+class at that position, and `ssdsl check` must print it with exit status 2, no traceback and
+fewer than 40 lines.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from ssdsl.cli import main
+from ssdsl.elaborate import elaborate_file
+from ssdsl.errors import ErrorGroup, SsdslError
+from ssdsl.materialize.program import materialize
+from ssdsl.runtime.job import schedule_plan
+from ssdsl.trace import trace
+from ssdsl.trace.model_file import load_model_file
+
+BAD = Path(__file__).parent / "plans" / "phase_bad"
+FILES = sorted(BAD.glob("*.ssp"))
+GPT = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
+HEADER = re.compile(r"# (world|expect): (.*)")
+EXPECT = re.compile(r"(\w+) (\d+):(\d+)(?: in (\S+))?$")
+
+
+def _header(path: Path) -> tuple[int, str, int, int, str]:
+    head = dict(HEADER.match(line).groups() for line in path.read_text().splitlines()[:2])
+    m = EXPECT.match(head["expect"])
+    assert m, f"{path.name}: bad header"
+    return int(head["world"]), m.group(1), int(m.group(2)), int(m.group(3)), m.group(4) or path.name
+
+
+@cache
+def _graph():
+    return trace(load_model_file(GPT), device="meta")
+
+
+def test_corpus_size():
+    assert len(FILES) >= 12
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_wrong_plan_after_the_front_end(path: Path):
+    world, cls, line, column, file = _header(path)
+    with pytest.raises(SsdslError) as info:
+        t, lowered = schedule_plan(_graph(), elaborate_file(path, world=world))
+        materialize(t, schedule=lowered)
+    err = info.value
+    first = err.errors[0] if isinstance(err, ErrorGroup) else err
+    assert type(first).__name__ == cls, err.render()
+    assert (first.span.line, first.span.column) == (line, column), err.render()
+    assert Path(first.span.file).name == file, err.render()
+
+
+@pytest.mark.parametrize("path", FILES[::3], ids=[p.stem for p in FILES[::3]])
+def test_check_prints_it_briefly(path: Path, capsys):
+    world, _, line, column, _ = _header(path)
+    assert main(["check", str(GPT), str(path), "--world", str(world)]) == 2
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "Traceback" not in text
+    assert len(text.splitlines()) < 40, text
+    assert f":{line}:{column}: " in text

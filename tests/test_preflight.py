@@ -1,0 +1,110 @@
+"""Verification before launch (issue 17): one simulated step of all ranks against the plain
+model, the batch called twice, random operators refused; never silent when it cannot verify.
+
+The faults are injected into a correct plan's materialized adapters and reducer (what a wrong
+rule of ssdsl would produce), so these tests keep failing plans to catch after every fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import pytest
+
+from ssdsl.cli import main
+from ssdsl.runtime import preflight
+from ssdsl.runtime.job import JobSpec, plan_job
+from ssdsl.runtime.preflight import (NonDeterministicBatch, RandomOperator, TrainsDifferently,
+                                     verify_before_launch)
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = str(ROOT / "examples" / "mlp.py")
+GPT = str(ROOT / "examples" / "gpt.py")
+MODELS = ROOT / "tests" / "models"
+
+
+def test_correct_plan_is_verified_in_float64():
+    v = verify_before_launch(JobSpec(MLP, "dp"), 2)
+    assert v.verified and v.dtype == "float64"
+    assert abs(v.loss - v.reference_loss) < 1e-12 and v.max_grad_error < 1e-12
+
+
+@pytest.mark.slow
+def test_tensor_parallel_gpt_is_verified():
+    v = verify_before_launch(JobSpec(GPT, "megatron_tp", (("tp", "2"),)), 2)
+    assert v.verified and v.max_grad_error < 1e-12
+
+
+def test_dropout_is_refused():
+    with pytest.raises(RandomOperator) as info:
+        verify_before_launch(JobSpec(str(MODELS / "dropout_mlp.py"), "dp"), 2)
+    assert "dropout" in info.value.message and info.value.file.endswith("dropout_mlp.py")
+
+
+def test_unseeded_get_batch_is_refused():
+    with pytest.raises(NonDeterministicBatch):
+        verify_before_launch(JobSpec(str(MODELS / "unseeded_batch.py"), "dp"), 2)
+
+
+def _inject(monkeypatch, fault):
+    def planned(spec, world):
+        mf, m, model = plan_job(spec, world)
+        return mf, fault(m), model
+    monkeypatch.setattr(preflight, "plan_job", planned)
+
+
+def test_a_dropped_all_reduce_is_located_at_its_consumer(monkeypatch):
+    broken: list = []
+
+    def drop_all_reduce(m):
+        key, edge = next((k, e) for k, e in m.edges.items() if e.adapter.kinds == ("all_reduce",))
+        broken.append((key, m.transformed.parts[key[1]][0].span))
+        wrong = attrs.evolve(edge, adapter=attrs.evolve(edge.adapter, steps=()))
+        return attrs.evolve(m, edges={**m.edges, key: wrong})
+
+    _inject(monkeypatch, drop_all_reduce)
+    with pytest.raises(TrainsDifferently) as info:
+        verify_before_launch(JobSpec(GPT, "megatron_tp", (("tp", "2"),)), 2)
+    (tensor, consumer, _), span = broken[0]
+    assert f"operator '{consumer}'" in info.value.message
+    assert info.value.span == span and span is not None
+
+
+def test_a_dropped_gradient_reduction_names_the_weight(monkeypatch):
+    _inject(monkeypatch, lambda m: attrs.evolve(m, reducer=attrs.evolve(m.reducer, buckets=())))
+    with pytest.raises(TrainsDifferently) as info:
+        verify_before_launch(JobSpec(MLP, "dp"), 2)
+    assert "gradients part" in info.value.message and "weight" in info.value.message
+    assert info.value.span is not None
+
+
+def test_too_large_to_simulate_says_so():
+    v = verify_before_launch(JobSpec(MLP, "dp"), 2, available_bytes=1024)
+    assert v.status == "not verified" and "too large" in v.reason
+
+
+def test_a_plan_the_simulator_cannot_run_says_why():
+    v = verify_before_launch(JobSpec(MLP, "1f1b", (("microbatches", "2"),)), 2)
+    assert v.verified or (v.status == "not verified" and v.reason)
+
+
+def test_skipped_says_so():
+    v = verify_before_launch(JobSpec(MLP, "dp"), 2, enabled=False)
+    assert v.status == "skipped" and "NOT verified" in v.line()
+
+
+def test_run_stops_before_launch_with_exit_2(capsys):
+    assert main(["run", str(MODELS / "dropout_mlp.py"), "dp", "--nproc", "2"]) == 2
+    assert "random" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_reports_verification(capsys):
+    code = main(["run", MLP, "dp", "--nproc", "2", "--steps", "1", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0 and json.loads(captured.out)["verify"]["status"] == "verified"
+    assert "verified before launch" in captured.err
+    code = main(["run", MLP, "dp", "--nproc", "2", "--steps", "1", "--no-verify"])
+    assert code == 0 and "NOT verified" in capsys.readouterr().err
