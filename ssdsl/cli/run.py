@@ -195,8 +195,9 @@ def _train(spec: Any, args: argparse.Namespace, *, world: int, first_step: int):
         # and verify it against the plain model (DESIGN §7), or say that it was not. Under
         # torchrun every rank verifies (the same, deterministic answer), so all stop together.
         verification = verify_before_launch(spec, world, enabled=not args.no_verify)
-        if rank == 0:
-            progress.phase(verification.line())
+        if rank == 0:  # on stderr, beside errors: a fact about the plan, not progress
+            sys.stdout.flush()
+            print(verification.line(), file=sys.stderr, flush=True)
         if torchrun:
             # each process sees only its own events; rank 0 shows them
             if rank == 0:
