@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
 
 
-@pytest.mark.parametrize("plan, sets", [("megatron_tp", (("tp", "2"),)), ("dp", ())])
+@pytest.mark.parametrize("plan, sets", [("megatron_tp", (("tp", "2"),)),
+                                        pytest.param("dp", (), marks=pytest.mark.slow)])
 def test_shards_from_the_state_file_are_the_seeded_model_regions(plan, sets):
     spec = JobSpec(GPT, plan, sets, dtype="float64", seed=3)
     mf, m, on_meta = plan_for_ranks(spec, 2)
@@ -48,7 +49,8 @@ def _devices(value) -> list:
     return []
 
 
-@pytest.mark.parametrize("model", [GPT, str(ROOT / "examples" / "hf_llama.py")])
+@pytest.mark.parametrize("model", [GPT, pytest.param(str(ROOT / "examples" / "hf_llama.py"),
+                                                     marks=pytest.mark.slow)])
 def test_ranks_plan_without_building_tensors(model):
     """No meta device is left in any argument (``arange(device=)``, ``to(x, device, dtype)``)."""
     mf, m, on_meta = plan_for_ranks(JobSpec(model, "dp"), 2)

@@ -77,8 +77,10 @@ def test_gpt_flowing_names_and_fused_qkv() -> None:
     ann = annotate(graph, loss)
     assert ann.label_for("batch") and ann.labels()[ann.label_for("batch")].mark == "reduced"
     assert graph.tensors[graph.inputs[0]].dim_names == ("batch", "seq")
-    assert set(graph.aliases) == {"wte.weight", "lm_head.weight"} or \
-        graph.aliases.get("lm_head.weight") == ("wte.weight",)
+    # the tied lm_head is one parameter: one graph tensor, its other name an alias
+    assert graph.aliases == {"wte.weight": ("lm_head.weight",)}
+    assert list(graph.params.values()).count("wte.weight") == 1
+    assert "lm_head.weight" not in graph.params.values()
 
 
 def test_module_paths_and_qualified_names() -> None:

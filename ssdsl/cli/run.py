@@ -98,12 +98,15 @@ def run(args: argparse.Namespace) -> int:
     result, progress, verification = result
     if args.save:
         _saved_at(Path(args.save), save_atomically(result["params"], Path(args.save)))
-    verdict = _check(args, spec, result, first_step) if args.check else None
+    verdict, precision = _check(args, spec, result, first_step) if args.check else (None, None)
     if args.json:
         doc = run_json(args, spec, result, progress, verdict)
         doc["verify"] = verification.as_dict()
+        doc["check_precision"] = precision.note() if precision is not None else None
         print(json.dumps(doc, indent=2, default=str))
     else:
+        if precision is not None and precision.note():
+            print(f"note: {precision.note()}")
         _print_summary(result, progress, verdict)
     return 0 if verdict is None or verdict.ok else 1
 
@@ -234,9 +237,21 @@ def _check(args: argparse.Namespace, spec: Any, result: dict, first_step: int):
     expected = RunRecord(losses=ref.losses[first_step:],
                          final_state={k: v for k, v in ref.final_state.items()
                                       if k in result["params"]})
-    check_dtype = torch.bfloat16 if args.dtype == "bfloat16" else DTYPES[args.dtype]
-    return compare_runs(expected, mine, tolerance=tolerance_for(check_dtype,
-                                                                reordered_sums=True))
+    precision = _precision(args.model, DTYPES[args.dtype])
+    check_dtype = torch.bfloat16 if args.dtype == "bfloat16" else precision.dtype
+    verdict = compare_runs(expected, mine, tolerance=tolerance_for(check_dtype,
+                                                                   reordered_sums=True))
+    return verdict, precision
+
+
+def _precision(model_file: str, dtype):
+    """The precision the model computes in under ``dtype`` (``ssdsl.trace.precision``)."""
+    from ssdsl.trace import trace
+    from ssdsl.trace.model_file import load_model_file
+    from ssdsl.trace.precision import computing_precision
+    mf = load_model_file(model_file)
+    model = mf.build(seed=0).to(dtype)
+    return computing_precision(trace(mf, device="cpu", model=model), dtype)
 
 
 def communication_text(acc: dict) -> str:

@@ -22,6 +22,7 @@ import torch
 from ssdsl.errors import SsdslError
 from ssdsl.ir.grad import grad_tensors
 from ssdsl.ir.region import Region
+from ssdsl.materialize.fanout import gather_fanouts
 from ssdsl.materialize.plan import plan_adapter
 from ssdsl.materialize.reducer import GradReducer, Weight, plan_grad_reducer
 from ssdsl.materialize.steps import Adapter
@@ -104,6 +105,8 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     With micro-batches, ``t``'s parts are one micro-batch's (local coordinates): the adapters are
     planned once and every micro-batch runs them. ``schedule`` is passed through to the runtime.
     """
+    if schedule is None:
+        t = gather_fanouts(t)
     _check_one_part_per_device(t)
     g = t.graph
     sources = source_names(t)
@@ -184,13 +187,26 @@ def partial_gradient_replicas(t: Transformed) -> dict[str, dict[int, tuple[int, 
     allowed = {op.name for op in t.graph.ops}
     while True:
         found = _partial_pass(t, consumers, allowed)
-        # Worth it only where the partial gradients end at weights: an input gradient that
-        # another (non-qualifying) operator needs whole would just move the sum upstream.
-        bad = {name for name in found for op in (t.graph.op(name),) for inp in op.inputs
-               if inp in producer and _is_float(t, inp) and producer[inp].name not in found}
+        # Worth it where the partial gradients end at weights, or where several consumers'
+        # sums become one: an input gradient that another (non-qualifying) operator needs whole
+        # moves the sum upstream, which pays only when fewer sums are taken there.
+        bad = {name for name in found
+               if 0 < _sums_upstream(t, name, producer, found) >= _partial_slots(t, name)}
         if not bad:
             return found
         allowed -= bad
+
+
+def _sums_upstream(t: Transformed, name: str, producer, found) -> int:
+    """How many float inputs of ``name`` come from operators that need their gradient whole."""
+    return sum(1 for inp in t.graph.op(name).inputs
+               if inp in producer and _is_float(t, inp) and producer[inp].name not in found)
+
+
+def _partial_slots(t: Transformed, name: str) -> int:
+    """How many consumer slots read the outputs of ``name`` (each would take its own sum)."""
+    outs = set(t.graph.op(name).outputs)
+    return sum(1 for op in t.graph.ops for inp in op.inputs if inp in outs)
 
 
 def _is_float(t: Transformed, tensor: str) -> bool:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from ssdsl.ops import (  # noqa: F401  (filling the registry)
     attention, convolution, creation, elementwise, embedding, loss, matmul, normalization,
-    reduction, replicate, shape,
+    padding, reduction, replicate, shape,
 )
 from ssdsl.ops.annotate import annotate, call_of, label_for_name
 from ssdsl.ops.core import (

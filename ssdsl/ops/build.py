@@ -157,5 +157,15 @@ def extent(f: Factor, ranges: Mapping[str, Interval]) -> int:
     return stop - start
 
 
+def first_value_part(ann: Annotation, ranges: Mapping[str, Interval]) -> bool:
+    """Whether a part holds the start of every reduced label, so it alone among the parts of a
+    value split adds a term that is not a sum over the reduced dims (a bias).
+
+    Asked of the reduced labels as the annotation has them now: once the tracer cuts ``k`` into
+    factors ``k.0, k.1`` (a Conv1D's input features viewed as heads), a split of ``k.1`` starts
+    ``k`` at the inner offset, and a test of ``k`` alone would call every part the first."""
+    return all(ranges.get(r, (0, 1))[0] == 0 for r in ann.reduced)
+
+
 __all__ = ["plain", "dims", "broadcast", "reshape_sigs", "lower_sizes", "set_arg", "norm_dim",
-           "extent", "local_size", "local_shape", "math"]
+           "extent", "first_value_part", "local_size", "local_shape", "math"]

@@ -4,7 +4,7 @@ no dilation), where each output position reads its own patch: input ``H = (Ho kh
 
 from __future__ import annotations
 
-from ssdsl.ops.build import set_arg
+from ssdsl.ops.build import first_value_part, set_arg
 from ssdsl.ops.core import Annotation, Call, Factor, LocalCall, register
 
 
@@ -54,7 +54,7 @@ def conv(call: Call) -> Annotation:
 
 
 def _lower_conv(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
-    if ranges.get("Ci", (0, 1))[0] != 0 and "Ci" in ann.reduced:
+    if not first_value_part(ann, ranges):
         args, kw = set_arg(args, kwargs, 2, "bias", None)
         return LocalCall(call.op.target, args, kw)
     return LocalCall(call.op.target, args, tuple(kwargs.items()))

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from ssdsl.ops.build import dims, lower_sizes, norm_dim, plain, set_arg
-from ssdsl.ops.core import Annotation, Call, Factor, LocalCall, register
+from ssdsl.ops.core import Annotation, Call, Factor, LocalCall, dim_intervals, register
+from ssdsl.ops.errors import FrozenDimError
 
 
 @register("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
@@ -14,7 +15,15 @@ def arange(call: Call) -> Annotation:
 
 
 def _lower_arange(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
-    start, stop = ranges.get("i", (0, ann.sizes()["i"]))
+    # the tracer may have cut ``i`` into factors: the part's indices are the region of the one
+    # output dim, which one arange can make only when it is a single interval
+    (out_dim,) = ann.outputs[0]
+    intervals = dim_intervals(out_dim, ranges)
+    if len(intervals) != 1:
+        raise FrozenDimError(f"operator '{call.op.name}' (arange) cannot make the strided part "
+                             f"{list(intervals)} of its range",
+                             hint="split the outermost factor of its dim, or replicate it")
+    ((start, stop),) = intervals
     target = call.op.target
     if target == "aten.arange.default":
         first, step = 0, 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import string
 from collections.abc import Mapping
 
-from ssdsl.ops.build import broadcast, plain, set_arg
+from ssdsl.ops.build import broadcast, first_value_part, plain, set_arg
 from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, register
 
 
@@ -29,8 +29,7 @@ def _drop_bias_outside_first(bias_pos: int, name: str):
     """Lowering for ops with a bias: a part off the start of a reduced dim must not add it."""
     def lower(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
               kwargs: dict) -> LocalCall:
-        first = all(ranges.get(r, (0, 1))[0] == 0 for r in ann.reduced)
-        if not first:
+        if not first_value_part(ann, ranges):
             args, kw = set_arg(args, kwargs, bias_pos, name, None)
             return LocalCall(call.op.target, args, kw)
         return LocalCall(call.op.target, args, tuple(kwargs.items()))
@@ -70,7 +69,18 @@ def matmul(call: Call) -> Annotation:
         asig, out = asig[-1:], out[:-2] + out[-1:]
     if len(b) == 1:
         bsig, out = bsig[-2:-1], out[:-1]
-    return Annotation((asig, bsig), (tuple(out),), reduced=frozenset({"k"}))
+    return Annotation((asig, bsig), (tuple(out),), reduced=frozenset({"k"}),
+                      names=_heads(a2, b2, bout))
+
+
+def _heads(a, b, bout) -> dict[str, str]:
+    """Attention written out (``q @ k.transpose(-2, -1)``, softmax, ``@ v``, as timm's default
+    attention is) has the layout of ``sdpa``'s operands, (batch, heads, tokens, features): the
+    innermost of two or more batch dims, present whole in both operands, introduces the flowing
+    name ``heads``, as ``sdpa`` does. A dim named from the model's inputs keeps its name."""
+    if len(bout) < 2 or len(a) < 4 or len(b) < 4 or a[-3] != b[-3] or a[-3] == 1:
+        return {}
+    return {bout[-1][0].label: "heads"}
 
 
 @register("aten.addmm.default", "aten.baddbmm.default")
@@ -94,12 +104,14 @@ def _rename(label: str, out) -> str:
 
 
 def _drop_addmm_bias(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
-    first = ranges.get("k", (0, 1))[0] == 0
-    if first:
+    if first_value_part(ann, ranges):
         return LocalCall(call.op.target, args, tuple(kwargs.items()))
-    # beta=0 makes the bias ignored (NaNs included) in a part off the start of k.
-    kw = {**kwargs, "beta": 0}
-    return LocalCall(call.op.target, args, tuple(kw.items()))
+    # A part off the start of k computes alpha * (a @ b) only: without the bias slot, the bias
+    # is not read there at all, so (as for a linear's bias) only the first part holds it and its
+    # gradient needs no sum across the parts.
+    (_, a, b), alpha = args[:3], args[4] if len(args) > 4 else kwargs.get("alpha", 1)
+    target = "aten.mm.default" if call.op.target == "aten.addmm.default" else "aten.bmm.default"
+    return LocalCall(target, (a, b), (), scale=float(alpha))
 
 
 @register("aten.einsum.default")

@@ -205,14 +205,17 @@ def _friendly(exc: UnexpectedInput, file: str, source: str) -> SsdslError:
     """Turn a Lark error into the project's error: a typo, an example match, or a generic one."""
     from ssdsl.parse.syntax_examples import match_example
 
-    line, column = exc.line if exc.line > 0 else 1, exc.column if exc.column > 0 else 1
+    # Lark gives no position for the block ends the postlexer adds at the end of the file.
+    line = exc.line if isinstance(exc.line, int) and exc.line > 0 else 1
+    column = exc.column if isinstance(exc.column, int) and exc.column > 0 else 1
     if isinstance(exc, UnexpectedCharacters):
         char = source[exc.pos_in_stream] if exc.pos_in_stream < len(source) else "?"
         return UnexpectedCharacter(f"unexpected character {char!r}", Span.point(file, line, column),
                                    hint="plans use names, numbers, strings and the operators "
                                         "+ - * / // % .. == != < <= > >= | & [ ] ( ) { } , : =")
     tok = getattr(exc, "token", None)
-    if isinstance(exc, UnexpectedEOF) or (tok is not None and tok.type == "$END"):
+    at_end = tok is not None and (tok.type == "$END" or (tok.type == "_DEDENT" and not tok.line))
+    if isinstance(exc, UnexpectedEOF) or at_end:
         last = source.rstrip().splitlines() or [""]
         return UnexpectedEnd("the file ends in the middle of a statement",
                              Span.point(file, len(last), len(last[-1]) + 1),

@@ -137,20 +137,40 @@ def expected_values(adapter: Adapter, seed: int = 0) -> tuple[dict, dict[int, li
     gen = torch.Generator().manual_seed(seed)
     shape = adapter.shape
     parts = sorted({r.part for _, r in adapter.producers})
-    fulls = {p: torch.randn(shape, generator=gen, dtype=torch.float64).to(adapter.dtype)
-             for p in parts}
-    masks = {p: torch.zeros(shape, dtype=adapter.dtype) for p in parts}
+    fulls = {p: _random_full(shape, gen, adapter.dtype) for p in parts}
+    # masks and the sum in float64, cast back once: a bool or integer tensor (an attention mask,
+    # token ids) would otherwise be promoted to int64 by ``sum`` and compare as another dtype
+    masks = {p: torch.zeros(shape, dtype=torch.float64) for p in parts}
     locals_: dict[int, list[torch.Tensor]] = {}
     for dev, reg in adapter.producers:
         locals_.setdefault(dev, []).append(reg.slice_of(fulls[reg.part]).clone())
-        whole = torch.zeros(shape, dtype=adapter.dtype)
-        Region.full(shape).add_into(whole, reg, torch.ones(reg.local_shape, dtype=adapter.dtype))
+        whole = torch.zeros(shape, dtype=torch.float64)
+        Region.full(shape).add_into(whole, reg, torch.ones(reg.local_shape, dtype=torch.float64))
         masks[reg.part] = torch.maximum(masks[reg.part], whole)
-    total = sum(fulls[p] * masks[p] for p in parts)
+    total = sum(fulls[p].to(torch.float64) * masks[p] for p in parts).to(adapter.dtype)
     expect: dict[int, list[torch.Tensor]] = {}
     for dev, reg in adapter.consumers:
         expect.setdefault(dev, []).append(reg.slice_of(total))
     return locals_, expect
+
+
+def _random_full(shape, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """Random values of ``dtype`` that differ from point to point (bools both ways, integers
+    small), so that a region sent to the wrong place shows."""
+    if dtype == torch.bool:
+        return torch.randn(shape, generator=gen) > 0
+    if not dtype.is_floating_point and not dtype.is_complex:
+        return torch.randint(-50, 50, shape, generator=gen).to(dtype)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _close(value: torch.Tensor, want: torch.Tensor, atol: float) -> bool:
+    """Equal values of equal dtype; floating values within ``atol``."""
+    if value.dtype != want.dtype:
+        return False
+    if not value.dtype.is_floating_point:
+        return torch.equal(value, want)
+    return torch.allclose(value, want, atol=atol)
 
 
 def verify_adapter(adapter: Adapter, *, seed: int = 0, atol: float = 1e-5) -> list[str]:
@@ -180,12 +200,13 @@ def verify_adapter(adapter: Adapter, *, seed: int = 0, atol: float = 1e-5) -> li
         elif reg.part[1] > 1:
             partial.setdefault((reg.intervals, reg.part[1]), {}).setdefault(reg.part[0], value)
             partial[(reg.intervals, reg.part[1])].setdefault(-1, want)
-        elif not torch.allclose(value, want, atol=atol):
+        elif not _close(value, want, atol):
+            error = (value.double() - want.double()).abs().max().item()
             problems.append(f"device {dev} slot {slot} ({reg!r}): wrong values, max error "
-                            f"{(value - want).abs().max().item():.3g}")
+                            f"{error:.3g}")
     for (ivs, v), by_k in partial.items():
         want = by_k.pop(-1)
-        if len(by_k) == v and not torch.allclose(sum(by_k.values()), want, atol=atol):
+        if len(by_k) == v and not _close(sum(by_k.values()), want, atol):
             problems.append(f"the {v} value parts of {ivs} do not sum to the value")
     return problems
 

@@ -465,9 +465,12 @@ class RankProgram:
 
     # -- results ---------------------------------------------------------------------------------
     def shards(self) -> list[tuple[str, Region, torch.Tensor]]:
-        """This rank's parameter shards as (qualified name, region, values)."""
-        return [(self.graph.params[name], region, t.detach().cpu().clone())
-                for (name, region), t in self.state.leaves.items()]
+        """This rank's parameter shards as (qualified name, region, values); a tied parameter
+        under each of its names, as ``state_dict`` lists it."""
+        return [(qual, region, t.detach().cpu().clone())
+                for (name, region), t in self.state.leaves.items()
+                for qual in (self.graph.params[name], *self.graph.aliases.get(
+                    self.graph.params[name], ()))]
 
 
 def _call(target: str, args: tuple, kwargs: dict) -> Any:

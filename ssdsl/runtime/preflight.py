@@ -252,9 +252,11 @@ def _difference(m: Materialized, mf: ModelFile, verdict: Any, *, seed: int,
             span, hint="the plan (or ssdsl) computes something else than the model here; "
             "--no-verify would start it anyway")
     span = _param_span(m, verdict.problems)
+    walked = m.schedule is None and m.transformed.microbatches == 1
+    why = "the forward values agree; the gradients part" if walked else \
+        "the operator where values part is located for plans without stages and micro-batches"
     return TrainsDifferently(
-        f"one simulated training step differs from the plain model (the forward values agree; "
-        f"the gradients part):\n  {problems}", span,
+        f"one simulated training step differs from the plain model ({why}):\n  {problems}", span,
         hint="the plan (or ssdsl) computes something else than the model here; --no-verify "
         "would start it anyway")
 
@@ -264,7 +266,7 @@ def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: i
     """The first operator (graph order) whose output on some device differs from the plain
     model's values of its region, with the plan statement that made that part; None when every
     forward value agrees (or the plan has micro-batches or stages, which this walk skips)."""
-    from ssdsl.runtime.comm import simulate_steps
+    from ssdsl.runtime.adapters import simulate_adapter
 
     t, g = m.transformed, m.transformed.graph
     if m.schedule is not None or t.microbatches > 1:
@@ -282,13 +284,13 @@ def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: i
             out = call_target(op.target, map_tensor_refs(op.args, lookup),
                               {k: map_tensor_refs(v, lookup) for k, v in op.kwargs})
             ref.update(zip(op.outputs, tuple(out) if op.returns == "list" else (out,)))
-            found = _run_parts(m, op, ref, env, tol, simulate_steps)
+            found = _run_parts(m, op, ref, env, tol, simulate_adapter)
             if found is not None:
                 return found
     return None
 
 
-def _run_parts(m: Materialized, op, ref, env, tol: float, simulate_steps) -> tuple | None:
+def _run_parts(m: Materialized, op, ref, env, tol: float, simulate_adapter) -> tuple | None:
     t = m.transformed
     sizes = t.label_sizes(op.name)
     for part in t.parts[op.name]:
@@ -305,9 +307,8 @@ def _run_parts(m: Materialized, op, ref, env, tol: float, simulate_steps) -> tup
             state: dict[int, list[torch.Tensor]] = {}
             for d, _ in ad.producers:
                 state.setdefault(d, []).append(env[d][name])
-            out = simulate_steps(ad.steps, state, state[ad.producers[0][0]][0])
-            mine = [i for i, (d, _) in enumerate(ad.consumers) if d == part.device]
-            local[slot] = out[part.device][0] if mine else None
+            got = simulate_adapter(ad, state).get(part.device)
+            local[slot] = got[0] if isinstance(got, list) else got
         args, kwargs = part.sub.local.bind(local)
         res = call_target(part.sub.local.target, args, kwargs)
         outs = tuple(res) if op.returns == "list" else (res,)

@@ -17,8 +17,10 @@ import torch.fx
 
 from ssdsl.errors import SsdslError
 from ssdsl.ir.graph import Graph, Op, TensorInfo, TensorRef
+from ssdsl.trace.aligned import align_arange_indices
 from ssdsl.trace.dims import flow_names
 from ssdsl.trace.model_file import ModelFile
+from ssdsl.trace.shared import share_parameters
 from ssdsl.trace.trial import quiet_torch_logs, try_training_step
 
 # Short kind names for selectors, where the ATen name is long.
@@ -64,7 +66,11 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
             twin = model_file.build(seed=seed)
         try_training_step(model_file, twin, (inputs, target))
     dev = _device_of(model, device)
-    batch = tuple(t.to(dev) for t in (*inputs, target))
+    # a model cast to another floating dtype (``--dtype float64``) gets its floating inputs in
+    # that dtype, as the runtime and the reference give them (``to_dtype``); integer tokens stay
+    dtype = _float_dtype_of(model)
+    batch = tuple(t.to(dev, dtype) if dtype is not None and t.is_floating_point() else t.to(dev)
+                  for t in (*inputs, target))
     try:
         with quiet_torch_logs():
             ep = torch.export.export(_TrainingForward(model, model_file.loss), batch,
@@ -84,6 +90,14 @@ def _device_of(model: torch.nn.Module, default: str) -> torch.device:
     for t in (*model.parameters(), *model.buffers()):
         return t.device
     return torch.device(default)
+
+
+def _float_dtype_of(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of the model's floating parameters (buffers when it has none), or None."""
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return None
 
 
 def _input_seeds(model_file: ModelFile, ep, n_inputs: int) -> dict[tuple[str, int], str]:
@@ -129,9 +143,12 @@ def graph_from_export(ep: torch.export.ExportedProgram,
                 ops.append(op)
         elif node.op == "output":
             output = _user_output(ep, node, alias)
+    ops = align_arange_indices(ops, tensors)
+    ops = share_parameters(ops, tensors, params, _aliases(model, params))
     tensors = flow_names(tuple(ops), tensors, seeds or {})
     return Graph(ops=tuple(ops), tensors=tensors, params=params, buffers=buffers,
-                 inputs=tuple(inputs), output=output, aliases=_aliases(model, params), constants=constants)
+                 inputs=tuple(inputs), output=output, aliases=_aliases(model, params),
+                 constants=constants)
 
 
 def _strip(qualname: str) -> str:

@@ -47,9 +47,15 @@ def splittable_text(row: dict[str, Any]) -> str:
     for d in row["dims"]:
         if d["mark"] == "frozen":
             continue
-        text = f"{d['name'] or d['label']}:{d['size']}"
+        text = f"{plan_word(d['name'] or d['label'])}:{d['size']}"
         parts.append(text + ("(sum)" if d["mark"] == "reduced" else ""))
     return " ".join(parts) or "-"
+
+
+def plan_word(label: str) -> str:
+    """How a plan writes a dim: a factor ``n.1`` or ``height.1`` as ``n_1``, ``height_1`` (the
+    grammar's names have no dots; ``partition`` reads both back to the same label)."""
+    return label.replace(".", "_")
 
 
 def shape_text(row: dict[str, Any]) -> str:

@@ -45,7 +45,7 @@ class _Builder:
                 require(self.anns[names[0]], self.graph.op(names[0]))
             except NotAnnotatedError as err:
                 raise _at(err, d.span) from None
-        labels = {n: self._label(n, d.dim) for n in names}
+        labels = {n: self._label(n, d.dim, d.parts) for n in names}
         if not any(labels.values()):
             raise MissingDim(self._missing_message(names, d.dim), d.span,
                              hint="`ssdsl trace MODEL` shows each operator's dims")
@@ -53,17 +53,29 @@ class _Builder:
             raise MissingDim(self._missing_message(names, d.dim), d.span)
         # The split follows the data inside the selection: an operator without the dim whose
         # input carries a dim split here (the GELU between Megatron's two MLP linears) is split
-        # along the dim that input flows into; operators reached by no split are replicated.
+        # along the dim that input flows into; then, backwards, one whose output feeds a dim
+        # split here (the view before an HF Conv1D's addmm) is split along the dim that output
+        # comes from, so the split tensor is made split instead of gathered and cut again.
+        # Operators reached by no split are replicated.
         flowing: dict[str, int] = {}
+        chosen: dict[str, str | None] = {}
+        for name in names:
+            chosen[name] = labels[name] or self._follow(name, flowing)
+            if chosen[name] is not None:
+                self._record(name, chosen[name], flowing)
+        wanted: dict[str, tuple[int, int, int]] = {}
+        for name in reversed(names):
+            if chosen[name] is None:
+                chosen[name] = self._follow_back(name, wanted)
+            if chosen[name] is not None:
+                self._record_inputs(name, chosen[name], wanted)
         lacking: list[str] = []
         for name in names:
-            label = labels[name] or self._follow(name, flowing)
-            if label is None:
+            if chosen[name] is None:
                 lacking.append(name)
                 self._replicate_op(name, prefix, d.parts, d.span)
-                continue
-            self._split_op(name, prefix, label, d.parts, d.span)
-            self._record(name, label, flowing)
+            else:
+                self._split_op(name, prefix, chosen[name], d.parts, d.span)
         if lacking:
             self.notes.append(f"{d.span}: {len(lacking)} operator(s) without dim '{d.dim}' "
                               f"replicated into {d.parts} (e.g. '{lacking[0]}')")
@@ -93,15 +105,56 @@ class _Builder:
                 return label
         return None
 
-    def _label(self, name: str, dim: str) -> str | None:
+    def _record_inputs(self, name: str, label: str, wanted: dict[str, tuple[int, int, int]]
+                       ) -> None:
+        """Note, for each input of ``name``, the dim and factor position (of how many) that the
+        split ``label`` lies on."""
+        ann = self.anns[name]
+        op = self.graph.op(name)
+        for tensor, sig in zip(op.inputs, ann.inputs):
+            for dim, factors in enumerate(sig):
+                for pos, f in enumerate(factors):
+                    if f.label == label:
+                        wanted.setdefault(tensor, (dim, pos, len(factors)))
+
+    def _follow_back(self, name: str, wanted: dict[str, tuple[int, int, int]]) -> str | None:
+        """The spatial label of ``name`` whose output dim a later split of the selection reads
+        split, if any (the factor at the same position of a dim cut alike)."""
+        ann = self.anns[name]
+        if isinstance(ann, NotAnnotated):
+            return None
+        marks = ann.labels()
+        op = self.graph.op(name)
+        for tensor, sig in zip(op.outputs, ann.outputs):
+            if tensor not in wanted:
+                continue
+            dim, pos, n = wanted[tensor]
+            if dim < len(sig) and len(sig[dim]) == n and \
+                    marks[sig[dim][pos].label].mark == "spatial":
+                return sig[dim][pos].label
+        return None
+
+    def _label(self, name: str, dim: str, parts: int | None = None) -> str | None:
+        """The label of ``name`` that a plan's ``dim`` names: a label, a flowing name or a word
+        (``out``), where a factor may be written with ``_`` (``n_1``, ``height_1``: the
+        grammar's names have no dots). A word whose label the tracer cut into factors (a fused
+        QKV linear's ``out`` is ``(3 heads d)``) names the first factor that carries a flowing
+        name and divides into ``parts``, else the first that divides, else the first."""
         ann = self.anns[name]
         if isinstance(ann, NotAnnotated):
             return None
         labels = ann.labels()
         dim = ann.words.get(dim, dim)
-        for cand in (dim, ann.label_for(dim), f"{dim}.0"):
+        dotted = dim.replace("_", ".")
+        for cand in (dim, ann.label_for(dim), dotted, ann.label_for(dotted)):
             if cand and cand in labels:
                 return cand
+        factors = [lab for lab in labels if lab.startswith(f"{dim}.")
+                   and labels[lab].mark != "frozen"]
+        fits = [lab for lab in factors if parts is None or labels[lab].size % parts == 0]
+        for group in ([lab for lab in fits if lab in ann.names], fits, factors):
+            if group:
+                return group[0]
         return None
 
     def _missing_message(self, names: Sequence[str], dim: str) -> str:

@@ -20,12 +20,12 @@ PLAN_FILE = 'megatron_tp.ssp'
 PLAN_PARAMS = {'tp': 2, 'blocks': 'h.*', 'attn': 'attn', 'attn_out': 'attn.c_proj', 'mlp': 'mlp', 'mlp_out': 'mlp.c_proj', 'placed': True}
 MODEL_FILE = 'gpt.py'
 SSDSL_VERSION = '0.1.0'
-DIGEST = '5e3cf0faee7e3a9d'
+DIGEST = '5de7544200c94348'
 
 # -- shards --------------------------------------------------------------------------------
 # Parameter shards this rank holds: (graph tensor, qualified name, region).
 SHARDS = (
-    ('p_model_lm_head_weight', 'lm_head.weight', '0:64 x 0:32'),
+    ('p_model_wte_weight', 'wte.weight', '0:64 x 0:32'),
     ('p_model_wpe_weight', 'wpe.weight', '0:16 x 0:32'),
     ('p_model_h_0_ln_1_weight', 'h.0.ln_1.weight', '0:32'),
     ('p_model_h_0_ln_1_bias', 'h.0.ln_1.bias', '0:32'),
@@ -65,69 +65,69 @@ SHARDS = (
 
 # The program's instructions that the runtime runs as they are.
 I0 = begin(unit='0F0')
-I1 = param(out='p_model_lm_head_weight#0|0', tensor='p_model_lm_head_weight', region=R((64, 32), (((0, 64),), ((0, 32),)), (0, 1)))
+I1 = param(out='p_model_wte_weight#0|0', tensor='p_model_wte_weight', region=R((64, 32), (((0, 64),), ((0, 32),)), (0, 1)))
 I2 = input(out='batch_0#1|0', index=0, box=None, region=R((8, 16), (((0, 8),), ((0, 16),)), (0, 1)))
 I3 = param(out='p_model_wpe_weight#2|0', tensor='p_model_wpe_weight', region=R((16, 32), (((0, 16),), ((0, 32),)), (0, 1)))
 I4 = param(out='p_model_h_0_ln_1_weight#3|0', tensor='p_model_h_0_ln_1_weight', region=R((32,), (((0, 32),),), (0, 1)))
 I5 = param(out='p_model_h_0_ln_1_bias#4|0', tensor='p_model_h_0_ln_1_bias', region=R((32,), (((0, 32),),), (0, 1)))
-I6 = comm(edge=4, mb=0, backward=False, ins=('layer_norm@0',), outs=('layer_norm>linear.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
+I6 = comm(edge=5, mb=0, backward=False, ins=('layer_norm@0',), outs=('layer_norm>linear.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
 I7 = param(out='p_model_h_0_attn_c_attn_weight#5|1', tensor='p_model_h_0_attn_c_attn_weight', region=R((96, 32), (((0, 16), (32, 48), (64, 80)), ((0, 32),)), (0, 1)))
 I8 = param(out='p_model_h_0_attn_c_attn_bias#6|1', tensor='p_model_h_0_attn_c_attn_bias', region=R((96,), (((0, 16), (32, 48), (64, 80)),), (0, 1)))
 I9 = param(out='p_model_h_0_attn_c_proj_weight#7|1', tensor='p_model_h_0_attn_c_proj_weight', region=R((32, 32), (((0, 32),), ((0, 16),)), (0, 1)))
 I10 = param(out='p_model_h_0_attn_c_proj_bias#8|1', tensor='p_model_h_0_attn_c_proj_bias', region=R((32,), (((0, 32),),), (0, 1)))
 I11 = cut(out='add@0|1', src='add@0')
-I12 = comm(edge=20, mb=0, backward=False, ins=('linear_1@0',), outs=('linear_1>add_1.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
+I12 = comm(edge=21, mb=0, backward=False, ins=('linear_1@0',), outs=('linear_1>add_1.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
 I13 = param(out='p_model_h_0_ln_2_weight#9|2', tensor='p_model_h_0_ln_2_weight', region=R((32,), (((0, 32),),), (0, 1)))
 I14 = param(out='p_model_h_0_ln_2_bias#10|2', tensor='p_model_h_0_ln_2_bias', region=R((32,), (((0, 32),),), (0, 1)))
-I15 = comm(edge=22, mb=0, backward=False, ins=('layer_norm_1@0',), outs=('layer_norm_1>linear_2.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
+I15 = comm(edge=23, mb=0, backward=False, ins=('layer_norm_1@0',), outs=('layer_norm_1>linear_2.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
 I16 = param(out='p_model_h_0_mlp_c_fc_weight#11|3', tensor='p_model_h_0_mlp_c_fc_weight', region=R((128, 32), (((0, 64),), ((0, 32),)), (0, 1)))
 I17 = param(out='p_model_h_0_mlp_c_fc_bias#12|3', tensor='p_model_h_0_mlp_c_fc_bias', region=R((128,), (((0, 64),),), (0, 1)))
 I18 = param(out='p_model_h_0_mlp_c_proj_weight#13|3', tensor='p_model_h_0_mlp_c_proj_weight', region=R((32, 128), (((0, 32),), ((0, 64),)), (0, 1)))
 I19 = param(out='p_model_h_0_mlp_c_proj_bias#14|3', tensor='p_model_h_0_mlp_c_proj_bias', region=R((32,), (((0, 32),),), (0, 1)))
 I20 = cut(out='add_1@0|3', src='add_1@0')
-I21 = comm(edge=26, mb=0, backward=False, ins=('linear_3@0',), outs=('linear_3>add_2.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
+I21 = comm(edge=27, mb=0, backward=False, ins=('linear_3@0',), outs=('linear_3>add_2.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
 I22 = param(out='p_model_h_1_ln_1_weight#15|4', tensor='p_model_h_1_ln_1_weight', region=R((32,), (((0, 32),),), (0, 1)))
 I23 = param(out='p_model_h_1_ln_1_bias#16|4', tensor='p_model_h_1_ln_1_bias', region=R((32,), (((0, 32),),), (0, 1)))
-I24 = comm(edge=28, mb=0, backward=False, ins=('layer_norm_2@0',), outs=('layer_norm_2>linear_4.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
+I24 = comm(edge=29, mb=0, backward=False, ins=('layer_norm_2@0',), outs=('layer_norm_2>linear_4.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
 I25 = param(out='p_model_h_1_attn_c_attn_weight#17|5', tensor='p_model_h_1_attn_c_attn_weight', region=R((96, 32), (((0, 16), (32, 48), (64, 80)), ((0, 32),)), (0, 1)))
 I26 = param(out='p_model_h_1_attn_c_attn_bias#18|5', tensor='p_model_h_1_attn_c_attn_bias', region=R((96,), (((0, 16), (32, 48), (64, 80)),), (0, 1)))
 I27 = param(out='p_model_h_1_attn_c_proj_weight#19|5', tensor='p_model_h_1_attn_c_proj_weight', region=R((32, 32), (((0, 32),), ((0, 16),)), (0, 1)))
 I28 = param(out='p_model_h_1_attn_c_proj_bias#20|5', tensor='p_model_h_1_attn_c_proj_bias', region=R((32,), (((0, 32),),), (0, 1)))
 I29 = cut(out='add_2@0|5', src='add_2@0')
-I30 = comm(edge=44, mb=0, backward=False, ins=('linear_5@0',), outs=('linear_5>add_3.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
+I30 = comm(edge=45, mb=0, backward=False, ins=('linear_5@0',), outs=('linear_5>add_3.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
 I31 = param(out='p_model_h_1_ln_2_weight#21|6', tensor='p_model_h_1_ln_2_weight', region=R((32,), (((0, 32),),), (0, 1)))
 I32 = param(out='p_model_h_1_ln_2_bias#22|6', tensor='p_model_h_1_ln_2_bias', region=R((32,), (((0, 32),),), (0, 1)))
-I33 = comm(edge=46, mb=0, backward=False, ins=('layer_norm_3@0',), outs=('layer_norm_3>linear_6.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
+I33 = comm(edge=47, mb=0, backward=False, ins=('layer_norm_3@0',), outs=('layer_norm_3>linear_6.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
 I34 = param(out='p_model_h_1_mlp_c_fc_weight#23|7', tensor='p_model_h_1_mlp_c_fc_weight', region=R((128, 32), (((0, 64),), ((0, 32),)), (0, 1)))
 I35 = param(out='p_model_h_1_mlp_c_fc_bias#24|7', tensor='p_model_h_1_mlp_c_fc_bias', region=R((128,), (((0, 64),),), (0, 1)))
 I36 = param(out='p_model_h_1_mlp_c_proj_weight#25|7', tensor='p_model_h_1_mlp_c_proj_weight', region=R((32, 128), (((0, 32),), ((0, 64),)), (0, 1)))
 I37 = param(out='p_model_h_1_mlp_c_proj_bias#26|7', tensor='p_model_h_1_mlp_c_proj_bias', region=R((32,), (((0, 32),),), (0, 1)))
 I38 = cut(out='add_3@0|7', src='add_3@0')
-I39 = comm(edge=50, mb=0, backward=False, ins=('linear_7@0',), outs=('linear_7>add_4.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
+I39 = comm(edge=51, mb=0, backward=False, ins=('linear_7@0',), outs=('linear_7>add_4.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
 I40 = param(out='p_model_ln_f_weight#27|8', tensor='p_model_ln_f_weight', region=R((32,), (((0, 32),),), (0, 1)))
 I41 = param(out='p_model_ln_f_bias#28|8', tensor='p_model_ln_f_bias', region=R((32,), (((0, 32),),), (0, 1)))
-I42 = param(out='p_model_lm_head_weight#0|8', tensor='p_model_lm_head_weight', region=R((64, 32), (((0, 64),), ((0, 32),)), (0, 1)))
+I42 = cut(out='share_p_model_wte_weight@0|8', src='share_p_model_wte_weight@0')
 I43 = input(out='batch_1#29|8', index=1, box=None, region=R((8, 16), (((0, 8),), ((0, 16),)), (0, 1)))
 I44 = end(unit='0F0')
 I45 = begin(unit='0B0')
-I46 = backward(seeds=('cross_entropy_loss@0',), roots=(), collect=(('linear_7>add_4.1@0', 'linear_7>add_4.1@0'),))
-I47 = comm(edge=50, mb=0, backward=True, ins=('linear_7>add_4.1@0',), outs=('linear_7@0',), shapes=((8, 16, 32),), dtype='float', steps=())
+I46 = backward(seeds=('cross_entropy_loss@0',), roots=(), collect=(('linear_7>add_4.1@0', 'linear_7>add_4.1@0'), ('share_p_model_wte_weight@0|8', 'share_p_model_wte_weight@0')))
+I47 = comm(edge=51, mb=0, backward=True, ins=('linear_7>add_4.1@0',), outs=('linear_7@0',), shapes=((8, 16, 32),), dtype='float', steps=())
 I48 = backward(seeds=(), roots=('linear_7@0',), collect=(('layer_norm_3>linear_6.0@0', 'layer_norm_3>linear_6.0@0'), ('add_3@0|7', 'add_3@0')))
-I49 = comm(edge=46, mb=0, backward=True, ins=('layer_norm_3>linear_6.0@0',), outs=('layer_norm_3@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
+I49 = comm(edge=47, mb=0, backward=True, ins=('layer_norm_3>linear_6.0@0',), outs=('layer_norm_3@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
 I50 = backward(seeds=(), roots=('layer_norm_3@0', 'add_3@0'), collect=(('linear_5>add_3.1@0', 'linear_5>add_3.1@0'),))
-I51 = comm(edge=44, mb=0, backward=True, ins=('linear_5>add_3.1@0',), outs=('linear_5@0',), shapes=((8, 16, 32),), dtype='float', steps=())
+I51 = comm(edge=45, mb=0, backward=True, ins=('linear_5>add_3.1@0',), outs=('linear_5@0',), shapes=((8, 16, 32),), dtype='float', steps=())
 I52 = backward(seeds=(), roots=('linear_5@0',), collect=(('layer_norm_2>linear_4.0@0', 'layer_norm_2>linear_4.0@0'), ('add_2@0|5', 'add_2@0')))
-I53 = comm(edge=28, mb=0, backward=True, ins=('layer_norm_2>linear_4.0@0',), outs=('layer_norm_2@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
+I53 = comm(edge=29, mb=0, backward=True, ins=('layer_norm_2>linear_4.0@0',), outs=('layer_norm_2@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
 I54 = backward(seeds=(), roots=('layer_norm_2@0', 'add_2@0'), collect=(('linear_3>add_2.1@0', 'linear_3>add_2.1@0'),))
-I55 = comm(edge=26, mb=0, backward=True, ins=('linear_3>add_2.1@0',), outs=('linear_3@0',), shapes=((8, 16, 32),), dtype='float', steps=())
+I55 = comm(edge=27, mb=0, backward=True, ins=('linear_3>add_2.1@0',), outs=('linear_3@0',), shapes=((8, 16, 32),), dtype='float', steps=())
 I56 = backward(seeds=(), roots=('linear_3@0',), collect=(('layer_norm_1>linear_2.0@0', 'layer_norm_1>linear_2.0@0'), ('add_1@0|3', 'add_1@0')))
-I57 = comm(edge=22, mb=0, backward=True, ins=('layer_norm_1>linear_2.0@0',), outs=('layer_norm_1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
+I57 = comm(edge=23, mb=0, backward=True, ins=('layer_norm_1>linear_2.0@0',), outs=('layer_norm_1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
 I58 = backward(seeds=(), roots=('layer_norm_1@0', 'add_1@0'), collect=(('linear_1>add_1.1@0', 'linear_1>add_1.1@0'),))
-I59 = comm(edge=20, mb=0, backward=True, ins=('linear_1>add_1.1@0',), outs=('linear_1@0',), shapes=((8, 16, 32),), dtype='float', steps=())
+I59 = comm(edge=21, mb=0, backward=True, ins=('linear_1>add_1.1@0',), outs=('linear_1@0',), shapes=((8, 16, 32),), dtype='float', steps=())
 I60 = backward(seeds=(), roots=('linear_1@0',), collect=(('layer_norm>linear.0@0', 'layer_norm>linear.0@0'), ('add@0|1', 'add@0')))
-I61 = comm(edge=4, mb=0, backward=True, ins=('layer_norm>linear.0@0',), outs=('layer_norm@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
-I62 = backward(seeds=(), roots=('layer_norm@0', 'add@0'), collect=())
-I63 = free(values=('arange@0', 'p_model_lm_head_weight#0|0', 'batch_0#1|0', 'embedding@0', 'p_model_wpe_weight#2|0', 'embedding_1@0', 'add@0', 'p_model_h_0_ln_1_weight#3|0', 'p_model_h_0_ln_1_bias#4|0', 'layer_norm@0', 'layer_norm>linear.0@0', 'p_model_h_0_attn_c_attn_weight#5|1', 'p_model_h_0_attn_c_attn_bias#6|1', 'linear@0', 'split.0@0', 'split.1@0', 'split.2@0', 'view@0', 'transpose@0', 'view_1@0', 'transpose_1@0', 'view_2@0', 'transpose_2@0', 'scaled_dot_product_attention@0', 'transpose_3@0', 'contiguous@0', 'view_3@0', 'p_model_h_0_attn_c_proj_weight#7|1', 'p_model_h_0_attn_c_proj_bias#8|1', 'linear_1@0', 'add@0|1', 'linear_1>add_1.1@0', 'add_1@0', 'p_model_h_0_ln_2_weight#9|2', 'p_model_h_0_ln_2_bias#10|2', 'layer_norm_1@0', 'layer_norm_1>linear_2.0@0', 'p_model_h_0_mlp_c_fc_weight#11|3', 'p_model_h_0_mlp_c_fc_bias#12|3', 'linear_2@0', 'gelu@0', 'p_model_h_0_mlp_c_proj_weight#13|3', 'p_model_h_0_mlp_c_proj_bias#14|3', 'linear_3@0', 'add_1@0|3', 'linear_3>add_2.1@0', 'add_2@0', 'p_model_h_1_ln_1_weight#15|4', 'p_model_h_1_ln_1_bias#16|4', 'layer_norm_2@0', 'layer_norm_2>linear_4.0@0', 'p_model_h_1_attn_c_attn_weight#17|5', 'p_model_h_1_attn_c_attn_bias#18|5', 'linear_4@0', 'split_1.0@0', 'split_1.1@0', 'split_1.2@0', 'view_4@0', 'transpose_4@0', 'view_5@0', 'transpose_5@0', 'view_6@0', 'transpose_6@0', 'scaled_dot_product_attention_1@0', 'transpose_7@0', 'contiguous_1@0', 'view_7@0', 'p_model_h_1_attn_c_proj_weight#19|5', 'p_model_h_1_attn_c_proj_bias#20|5', 'linear_5@0', 'add_2@0|5', 'linear_5>add_3.1@0', 'add_3@0', 'p_model_h_1_ln_2_weight#21|6', 'p_model_h_1_ln_2_bias#22|6', 'layer_norm_3@0', 'layer_norm_3>linear_6.0@0', 'p_model_h_1_mlp_c_fc_weight#23|7', 'p_model_h_1_mlp_c_fc_bias#24|7', 'linear_6@0', 'gelu_1@0', 'p_model_h_1_mlp_c_proj_weight#25|7', 'p_model_h_1_mlp_c_proj_bias#26|7', 'linear_7@0', 'add_3@0|7', 'linear_7>add_4.1@0', 'add_4@0', 'p_model_ln_f_weight#27|8', 'p_model_ln_f_bias#28|8', 'layer_norm_4@0', 'p_model_lm_head_weight#0|8', 'linear_8@0', 'reshape@0', 'batch_1#29|8', 'reshape_1@0', 'cross_entropy_loss@0'))
+I61 = comm(edge=5, mb=0, backward=True, ins=('layer_norm>linear.0@0',), outs=('layer_norm@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
+I62 = backward(seeds=(), roots=('layer_norm@0', 'add@0', 'share_p_model_wte_weight@0'), collect=())
+I63 = free(values=('arange@0', 'p_model_wte_weight#0|0', 'share_p_model_wte_weight@0', 'batch_0#1|0', 'embedding@0', 'p_model_wpe_weight#2|0', 'embedding_1@0', 'add@0', 'p_model_h_0_ln_1_weight#3|0', 'p_model_h_0_ln_1_bias#4|0', 'layer_norm@0', 'layer_norm>linear.0@0', 'p_model_h_0_attn_c_attn_weight#5|1', 'p_model_h_0_attn_c_attn_bias#6|1', 'linear@0', 'split.0@0', 'split.1@0', 'split.2@0', 'view@0', 'transpose@0', 'view_1@0', 'transpose_1@0', 'view_2@0', 'transpose_2@0', 'scaled_dot_product_attention@0', 'transpose_3@0', 'contiguous@0', 'view_3@0', 'p_model_h_0_attn_c_proj_weight#7|1', 'p_model_h_0_attn_c_proj_bias#8|1', 'linear_1@0', 'add@0|1', 'linear_1>add_1.1@0', 'add_1@0', 'p_model_h_0_ln_2_weight#9|2', 'p_model_h_0_ln_2_bias#10|2', 'layer_norm_1@0', 'layer_norm_1>linear_2.0@0', 'p_model_h_0_mlp_c_fc_weight#11|3', 'p_model_h_0_mlp_c_fc_bias#12|3', 'linear_2@0', 'gelu@0', 'p_model_h_0_mlp_c_proj_weight#13|3', 'p_model_h_0_mlp_c_proj_bias#14|3', 'linear_3@0', 'add_1@0|3', 'linear_3>add_2.1@0', 'add_2@0', 'p_model_h_1_ln_1_weight#15|4', 'p_model_h_1_ln_1_bias#16|4', 'layer_norm_2@0', 'layer_norm_2>linear_4.0@0', 'p_model_h_1_attn_c_attn_weight#17|5', 'p_model_h_1_attn_c_attn_bias#18|5', 'linear_4@0', 'split_1.0@0', 'split_1.1@0', 'split_1.2@0', 'view_4@0', 'transpose_4@0', 'view_5@0', 'transpose_5@0', 'view_6@0', 'transpose_6@0', 'scaled_dot_product_attention_1@0', 'transpose_7@0', 'contiguous_1@0', 'view_7@0', 'p_model_h_1_attn_c_proj_weight#19|5', 'p_model_h_1_attn_c_proj_bias#20|5', 'linear_5@0', 'add_2@0|5', 'linear_5>add_3.1@0', 'add_3@0', 'p_model_h_1_ln_2_weight#21|6', 'p_model_h_1_ln_2_bias#22|6', 'layer_norm_3@0', 'layer_norm_3>linear_6.0@0', 'p_model_h_1_mlp_c_fc_weight#23|7', 'p_model_h_1_mlp_c_fc_bias#24|7', 'linear_6@0', 'gelu_1@0', 'p_model_h_1_mlp_c_proj_weight#25|7', 'p_model_h_1_mlp_c_proj_bias#26|7', 'linear_7@0', 'add_3@0|7', 'linear_7>add_4.1@0', 'add_4@0', 'p_model_ln_f_weight#27|8', 'p_model_ln_f_bias#28|8', 'layer_norm_4@0', 'share_p_model_wte_weight@0|8', 'linear_8@0', 'reshape@0', 'batch_1#29|8', 'reshape_1@0', 'cross_entropy_loss@0'))
 I64 = end(unit='0B0')
 I65 = wait_sends()
 I66 = loss_sum(group=(0, 1))
@@ -137,9 +137,10 @@ I67 = step()
 def train_step(rt, v):
     rt(I0)  # unit 0F0 begins
     v['arange@0'] = aten.arange.start_step(0, 16, 1, device=rt.device, pin_memory=False)  # (top) part (r0); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
-    rt(I1)  # p_model_lm_head_weight#0|0 = shard of lm_head.weight 0:64 x 0:32; megatron_tp.ssp:21:5
+    rt(I1)  # p_model_wte_weight#0|0 = shard of wte.weight 0:64 x 0:32; megatron_tp.ssp:21:5
+    v['share_p_model_wte_weight@0'] = aten.alias.default(v['p_model_wte_weight#0|0'])  # wte part (r0); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     rt(I2)  # batch_0#1|0 = batch[0] 0:8 x 0:16; megatron_tp.ssp:21:5
-    v['embedding@0'] = aten.embedding.default(v['p_model_lm_head_weight#0|0'], v['batch_0#1|0'])  # wte part (r0); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
+    v['embedding@0'] = aten.embedding.default(v['share_p_model_wte_weight@0'], v['batch_0#1|0'])  # wte part (r0); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     rt(I3)  # p_model_wpe_weight#2|0 = shard of wpe.weight 0:16 x 0:32; megatron_tp.ssp:21:5
     v['embedding_1@0'] = aten.embedding.default(v['p_model_wpe_weight#2|0'], v['arange@0'])  # wpe part (r0); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     v['add@0'] = aten.add.Tensor(v['embedding@0'], v['embedding_1@0'])  # (top) part (r0); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
@@ -222,8 +223,8 @@ def train_step(rt, v):
     rt(I40)  # p_model_ln_f_weight#27|8 = shard of ln_f.weight 0:32; megatron_tp.ssp:21:5
     rt(I41)  # p_model_ln_f_bias#28|8 = shard of ln_f.bias 0:32; megatron_tp.ssp:21:5
     v['layer_norm_4@0'] = aten.layer_norm.default(v['add_4@0'], (32,), v['p_model_ln_f_weight#27|8'], v['p_model_ln_f_bias#28|8'], 1e-05, False)  # ln_f part (r0); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
-    rt(I42)  # p_model_lm_head_weight#0|8 = shard of lm_head.weight 0:64 x 0:32; megatron_tp.ssp:21:5
-    v['linear_8@0'] = aten.linear.default(v['layer_norm_4@0'], v['p_model_lm_head_weight#0|8'])  # lm_head part (r0); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
+    rt(I42)  # share_p_model_wte_weight@0|8 = share_p_model_wte_weight@0 cut from its segment; megatron_tp.ssp:21:5
+    v['linear_8@0'] = aten.linear.default(v['layer_norm_4@0'], v['share_p_model_wte_weight@0|8'])  # lm_head part (r0); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     v['reshape@0'] = aten.reshape.default(v['linear_8@0'], (128, 64))  # (top) part (r0); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     rt(I43)  # batch_1#29|8 = batch[1] 0:8 x 0:16; megatron_tp.ssp:21:5
     v['reshape_1@0'] = aten.reshape.default(v['batch_1#29|8'], (128,))  # (top) part (r0); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
@@ -247,8 +248,8 @@ def train_step(rt, v):
     rt(I59)  # linear_1 -> add_1[1] mb 0 backward: nothing moves; megatron_tp.ssp:21:5
     rt(I60)  # backward of a segment from 0 loss part(s) and 1 received gradient(s); megatron_tp.ssp:21:5
     rt(I61)  # layer_norm -> linear[0] mb 0 backward: all_reduce over (0, 1); megatron_tp.ssp:21:5
-    rt(I62)  # backward of a segment from 0 loss part(s) and 2 received gradient(s); megatron_tp.ssp:18:1
-    rt(I63)  # free 96 values
+    rt(I62)  # backward of a segment from 0 loss part(s) and 3 received gradient(s); megatron_tp.ssp:18:1
+    rt(I63)  # free 97 values
     rt(I64)  # unit 0B0 ends
     rt(I65)  # wait for the sends in flight; megatron_tp.ssp:21:5
     rt(I66)  # the step's loss: all_reduce over every rank; megatron_tp.ssp:21:5

@@ -20,12 +20,12 @@ PLAN_FILE = 'megatron_tp.ssp'
 PLAN_PARAMS = {'tp': 2, 'blocks': 'h.*', 'attn': 'attn', 'attn_out': 'attn.c_proj', 'mlp': 'mlp', 'mlp_out': 'mlp.c_proj', 'placed': True}
 MODEL_FILE = 'gpt.py'
 SSDSL_VERSION = '0.1.0'
-DIGEST = 'd512ae9efad33e5a'
+DIGEST = 'e08ddc9eaf96f7a1'
 
 # -- shards --------------------------------------------------------------------------------
 # Parameter shards this rank holds: (graph tensor, qualified name, region).
 SHARDS = (
-    ('p_model_lm_head_weight', 'lm_head.weight', '0:64 x 0:32'),
+    ('p_model_wte_weight', 'wte.weight', '0:64 x 0:32'),
     ('p_model_wpe_weight', 'wpe.weight', '0:16 x 0:32'),
     ('p_model_h_0_ln_1_weight', 'h.0.ln_1.weight', '0:32'),
     ('p_model_h_0_ln_1_bias', 'h.0.ln_1.bias', '0:32'),
@@ -61,65 +61,65 @@ SHARDS = (
 
 # The program's instructions that the runtime runs as they are.
 I0 = begin(unit='0F0')
-I1 = param(out='p_model_lm_head_weight#0|0', tensor='p_model_lm_head_weight', region=R((64, 32), (((0, 64),), ((0, 32),)), (0, 1)))
+I1 = param(out='p_model_wte_weight#0|0', tensor='p_model_wte_weight', region=R((64, 32), (((0, 64),), ((0, 32),)), (0, 1)))
 I2 = input(out='batch_0#1|0', index=0, box=None, region=R((8, 16), (((0, 8),), ((0, 16),)), (0, 1)))
 I3 = param(out='p_model_wpe_weight#2|0', tensor='p_model_wpe_weight', region=R((16, 32), (((0, 16),), ((0, 32),)), (0, 1)))
 I4 = param(out='p_model_h_0_ln_1_weight#3|0', tensor='p_model_h_0_ln_1_weight', region=R((32,), (((0, 32),),), (0, 1)))
 I5 = param(out='p_model_h_0_ln_1_bias#4|0', tensor='p_model_h_0_ln_1_bias', region=R((32,), (((0, 32),),), (0, 1)))
-I6 = comm(edge=4, mb=0, backward=False, ins=('layer_norm@0',), outs=('layer_norm>linear.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
+I6 = comm(edge=5, mb=0, backward=False, ins=('layer_norm@0',), outs=('layer_norm>linear.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
 I7 = param(out='p_model_h_0_attn_c_attn_weight#5|1', tensor='p_model_h_0_attn_c_attn_weight', region=R((96, 32), (((16, 32), (48, 64), (80, 96)), ((0, 32),)), (0, 1)))
 I8 = param(out='p_model_h_0_attn_c_attn_bias#6|1', tensor='p_model_h_0_attn_c_attn_bias', region=R((96,), (((16, 32), (48, 64), (80, 96)),), (0, 1)))
 I9 = param(out='p_model_h_0_attn_c_proj_weight#7|1', tensor='p_model_h_0_attn_c_proj_weight', region=R((32, 32), (((0, 32),), ((16, 32),)), (0, 1)))
 I10 = cut(out='add@0|1', src='add@0')
-I11 = comm(edge=20, mb=0, backward=False, ins=('linear_1@0',), outs=('linear_1>add_1.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
+I11 = comm(edge=21, mb=0, backward=False, ins=('linear_1@0',), outs=('linear_1>add_1.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
 I12 = param(out='p_model_h_0_ln_2_weight#8|2', tensor='p_model_h_0_ln_2_weight', region=R((32,), (((0, 32),),), (0, 1)))
 I13 = param(out='p_model_h_0_ln_2_bias#9|2', tensor='p_model_h_0_ln_2_bias', region=R((32,), (((0, 32),),), (0, 1)))
-I14 = comm(edge=22, mb=0, backward=False, ins=('layer_norm_1@0',), outs=('layer_norm_1>linear_2.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
+I14 = comm(edge=23, mb=0, backward=False, ins=('layer_norm_1@0',), outs=('layer_norm_1>linear_2.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
 I15 = param(out='p_model_h_0_mlp_c_fc_weight#10|3', tensor='p_model_h_0_mlp_c_fc_weight', region=R((128, 32), (((64, 128),), ((0, 32),)), (0, 1)))
 I16 = param(out='p_model_h_0_mlp_c_fc_bias#11|3', tensor='p_model_h_0_mlp_c_fc_bias', region=R((128,), (((64, 128),),), (0, 1)))
 I17 = param(out='p_model_h_0_mlp_c_proj_weight#12|3', tensor='p_model_h_0_mlp_c_proj_weight', region=R((32, 128), (((0, 32),), ((64, 128),)), (0, 1)))
 I18 = cut(out='add_1@0|3', src='add_1@0')
-I19 = comm(edge=26, mb=0, backward=False, ins=('linear_3@0',), outs=('linear_3>add_2.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
+I19 = comm(edge=27, mb=0, backward=False, ins=('linear_3@0',), outs=('linear_3>add_2.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
 I20 = param(out='p_model_h_1_ln_1_weight#13|4', tensor='p_model_h_1_ln_1_weight', region=R((32,), (((0, 32),),), (0, 1)))
 I21 = param(out='p_model_h_1_ln_1_bias#14|4', tensor='p_model_h_1_ln_1_bias', region=R((32,), (((0, 32),),), (0, 1)))
-I22 = comm(edge=28, mb=0, backward=False, ins=('layer_norm_2@0',), outs=('layer_norm_2>linear_4.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
+I22 = comm(edge=29, mb=0, backward=False, ins=('layer_norm_2@0',), outs=('layer_norm_2>linear_4.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
 I23 = param(out='p_model_h_1_attn_c_attn_weight#15|5', tensor='p_model_h_1_attn_c_attn_weight', region=R((96, 32), (((16, 32), (48, 64), (80, 96)), ((0, 32),)), (0, 1)))
 I24 = param(out='p_model_h_1_attn_c_attn_bias#16|5', tensor='p_model_h_1_attn_c_attn_bias', region=R((96,), (((16, 32), (48, 64), (80, 96)),), (0, 1)))
 I25 = param(out='p_model_h_1_attn_c_proj_weight#17|5', tensor='p_model_h_1_attn_c_proj_weight', region=R((32, 32), (((0, 32),), ((16, 32),)), (0, 1)))
 I26 = cut(out='add_2@0|5', src='add_2@0')
-I27 = comm(edge=44, mb=0, backward=False, ins=('linear_5@0',), outs=('linear_5>add_3.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
+I27 = comm(edge=45, mb=0, backward=False, ins=('linear_5@0',), outs=('linear_5>add_3.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
 I28 = param(out='p_model_h_1_ln_2_weight#18|6', tensor='p_model_h_1_ln_2_weight', region=R((32,), (((0, 32),),), (0, 1)))
 I29 = param(out='p_model_h_1_ln_2_bias#19|6', tensor='p_model_h_1_ln_2_bias', region=R((32,), (((0, 32),),), (0, 1)))
-I30 = comm(edge=46, mb=0, backward=False, ins=('layer_norm_3@0',), outs=('layer_norm_3>linear_6.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
+I30 = comm(edge=47, mb=0, backward=False, ins=('layer_norm_3@0',), outs=('layer_norm_3>linear_6.0@0',), shapes=((8, 16, 32),), dtype='float', steps=(), grad=True)
 I31 = param(out='p_model_h_1_mlp_c_fc_weight#20|7', tensor='p_model_h_1_mlp_c_fc_weight', region=R((128, 32), (((64, 128),), ((0, 32),)), (0, 1)))
 I32 = param(out='p_model_h_1_mlp_c_fc_bias#21|7', tensor='p_model_h_1_mlp_c_fc_bias', region=R((128,), (((64, 128),),), (0, 1)))
 I33 = param(out='p_model_h_1_mlp_c_proj_weight#22|7', tensor='p_model_h_1_mlp_c_proj_weight', region=R((32, 128), (((0, 32),), ((64, 128),)), (0, 1)))
 I34 = cut(out='add_3@0|7', src='add_3@0')
-I35 = comm(edge=50, mb=0, backward=False, ins=('linear_7@0',), outs=('linear_7>add_4.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
+I35 = comm(edge=51, mb=0, backward=False, ins=('linear_7@0',), outs=('linear_7>add_4.1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),), grad=True)
 I36 = param(out='p_model_ln_f_weight#23|8', tensor='p_model_ln_f_weight', region=R((32,), (((0, 32),),), (0, 1)))
 I37 = param(out='p_model_ln_f_bias#24|8', tensor='p_model_ln_f_bias', region=R((32,), (((0, 32),),), (0, 1)))
-I38 = param(out='p_model_lm_head_weight#0|8', tensor='p_model_lm_head_weight', region=R((64, 32), (((0, 64),), ((0, 32),)), (0, 1)))
+I38 = cut(out='share_p_model_wte_weight@0|8', src='share_p_model_wte_weight@0')
 I39 = input(out='batch_1#25|8', index=1, box=None, region=R((8, 16), (((0, 8),), ((0, 16),)), (0, 1)))
 I40 = end(unit='0F0')
 I41 = begin(unit='0B0')
-I42 = backward(seeds=('cross_entropy_loss@0',), roots=(), collect=(('linear_7>add_4.1@0', 'linear_7>add_4.1@0'),))
-I43 = comm(edge=50, mb=0, backward=True, ins=('linear_7>add_4.1@0',), outs=('linear_7@0',), shapes=((8, 16, 32),), dtype='float', steps=())
+I42 = backward(seeds=('cross_entropy_loss@0',), roots=(), collect=(('linear_7>add_4.1@0', 'linear_7>add_4.1@0'), ('share_p_model_wte_weight@0|8', 'share_p_model_wte_weight@0')))
+I43 = comm(edge=51, mb=0, backward=True, ins=('linear_7>add_4.1@0',), outs=('linear_7@0',), shapes=((8, 16, 32),), dtype='float', steps=())
 I44 = backward(seeds=(), roots=('linear_7@0',), collect=(('layer_norm_3>linear_6.0@0', 'layer_norm_3>linear_6.0@0'), ('add_3@0|7', 'add_3@0')))
-I45 = comm(edge=46, mb=0, backward=True, ins=('layer_norm_3>linear_6.0@0',), outs=('layer_norm_3@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
+I45 = comm(edge=47, mb=0, backward=True, ins=('layer_norm_3>linear_6.0@0',), outs=('layer_norm_3@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
 I46 = backward(seeds=(), roots=('layer_norm_3@0', 'add_3@0'), collect=(('linear_5>add_3.1@0', 'linear_5>add_3.1@0'),))
-I47 = comm(edge=44, mb=0, backward=True, ins=('linear_5>add_3.1@0',), outs=('linear_5@0',), shapes=((8, 16, 32),), dtype='float', steps=())
+I47 = comm(edge=45, mb=0, backward=True, ins=('linear_5>add_3.1@0',), outs=('linear_5@0',), shapes=((8, 16, 32),), dtype='float', steps=())
 I48 = backward(seeds=(), roots=('linear_5@0',), collect=(('layer_norm_2>linear_4.0@0', 'layer_norm_2>linear_4.0@0'), ('add_2@0|5', 'add_2@0')))
-I49 = comm(edge=28, mb=0, backward=True, ins=('layer_norm_2>linear_4.0@0',), outs=('layer_norm_2@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
+I49 = comm(edge=29, mb=0, backward=True, ins=('layer_norm_2>linear_4.0@0',), outs=('layer_norm_2@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
 I50 = backward(seeds=(), roots=('layer_norm_2@0', 'add_2@0'), collect=(('linear_3>add_2.1@0', 'linear_3>add_2.1@0'),))
-I51 = comm(edge=26, mb=0, backward=True, ins=('linear_3>add_2.1@0',), outs=('linear_3@0',), shapes=((8, 16, 32),), dtype='float', steps=())
+I51 = comm(edge=27, mb=0, backward=True, ins=('linear_3>add_2.1@0',), outs=('linear_3@0',), shapes=((8, 16, 32),), dtype='float', steps=())
 I52 = backward(seeds=(), roots=('linear_3@0',), collect=(('layer_norm_1>linear_2.0@0', 'layer_norm_1>linear_2.0@0'), ('add_1@0|3', 'add_1@0')))
-I53 = comm(edge=22, mb=0, backward=True, ins=('layer_norm_1>linear_2.0@0',), outs=('layer_norm_1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
+I53 = comm(edge=23, mb=0, backward=True, ins=('layer_norm_1>linear_2.0@0',), outs=('layer_norm_1@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
 I54 = backward(seeds=(), roots=('layer_norm_1@0', 'add_1@0'), collect=(('linear_1>add_1.1@0', 'linear_1>add_1.1@0'),))
-I55 = comm(edge=20, mb=0, backward=True, ins=('linear_1>add_1.1@0',), outs=('linear_1@0',), shapes=((8, 16, 32),), dtype='float', steps=())
+I55 = comm(edge=21, mb=0, backward=True, ins=('linear_1>add_1.1@0',), outs=('linear_1@0',), shapes=((8, 16, 32),), dtype='float', steps=())
 I56 = backward(seeds=(), roots=('linear_1@0',), collect=(('layer_norm>linear.0@0', 'layer_norm>linear.0@0'), ('add@0|1', 'add@0')))
-I57 = comm(edge=4, mb=0, backward=True, ins=('layer_norm>linear.0@0',), outs=('layer_norm@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
-I58 = backward(seeds=(), roots=('layer_norm@0', 'add@0'), collect=())
-I59 = free(values=('arange@0', 'p_model_lm_head_weight#0|0', 'batch_0#1|0', 'embedding@0', 'p_model_wpe_weight#2|0', 'embedding_1@0', 'add@0', 'p_model_h_0_ln_1_weight#3|0', 'p_model_h_0_ln_1_bias#4|0', 'layer_norm@0', 'layer_norm>linear.0@0', 'p_model_h_0_attn_c_attn_weight#5|1', 'p_model_h_0_attn_c_attn_bias#6|1', 'linear@0', 'split.0@0', 'split.1@0', 'split.2@0', 'view@0', 'transpose@0', 'view_1@0', 'transpose_1@0', 'view_2@0', 'transpose_2@0', 'scaled_dot_product_attention@0', 'transpose_3@0', 'contiguous@0', 'view_3@0', 'p_model_h_0_attn_c_proj_weight#7|1', 'linear_1@0', 'add@0|1', 'linear_1>add_1.1@0', 'add_1@0', 'p_model_h_0_ln_2_weight#8|2', 'p_model_h_0_ln_2_bias#9|2', 'layer_norm_1@0', 'layer_norm_1>linear_2.0@0', 'p_model_h_0_mlp_c_fc_weight#10|3', 'p_model_h_0_mlp_c_fc_bias#11|3', 'linear_2@0', 'gelu@0', 'p_model_h_0_mlp_c_proj_weight#12|3', 'linear_3@0', 'add_1@0|3', 'linear_3>add_2.1@0', 'add_2@0', 'p_model_h_1_ln_1_weight#13|4', 'p_model_h_1_ln_1_bias#14|4', 'layer_norm_2@0', 'layer_norm_2>linear_4.0@0', 'p_model_h_1_attn_c_attn_weight#15|5', 'p_model_h_1_attn_c_attn_bias#16|5', 'linear_4@0', 'split_1.0@0', 'split_1.1@0', 'split_1.2@0', 'view_4@0', 'transpose_4@0', 'view_5@0', 'transpose_5@0', 'view_6@0', 'transpose_6@0', 'scaled_dot_product_attention_1@0', 'transpose_7@0', 'contiguous_1@0', 'view_7@0', 'p_model_h_1_attn_c_proj_weight#17|5', 'linear_5@0', 'add_2@0|5', 'linear_5>add_3.1@0', 'add_3@0', 'p_model_h_1_ln_2_weight#18|6', 'p_model_h_1_ln_2_bias#19|6', 'layer_norm_3@0', 'layer_norm_3>linear_6.0@0', 'p_model_h_1_mlp_c_fc_weight#20|7', 'p_model_h_1_mlp_c_fc_bias#21|7', 'linear_6@0', 'gelu_1@0', 'p_model_h_1_mlp_c_proj_weight#22|7', 'linear_7@0', 'add_3@0|7', 'linear_7>add_4.1@0', 'add_4@0', 'p_model_ln_f_weight#23|8', 'p_model_ln_f_bias#24|8', 'layer_norm_4@0', 'p_model_lm_head_weight#0|8', 'linear_8@0', 'reshape@0', 'batch_1#25|8', 'reshape_1@0', 'cross_entropy_loss@0'))
+I57 = comm(edge=5, mb=0, backward=True, ins=('layer_norm>linear.0@0',), outs=('layer_norm@0',), shapes=((8, 16, 32),), dtype='float', steps=(Coll(kind='all_reduce', group=(0, 1)),))
+I58 = backward(seeds=(), roots=('layer_norm@0', 'add@0', 'share_p_model_wte_weight@0'), collect=())
+I59 = free(values=('arange@0', 'p_model_wte_weight#0|0', 'share_p_model_wte_weight@0', 'batch_0#1|0', 'embedding@0', 'p_model_wpe_weight#2|0', 'embedding_1@0', 'add@0', 'p_model_h_0_ln_1_weight#3|0', 'p_model_h_0_ln_1_bias#4|0', 'layer_norm@0', 'layer_norm>linear.0@0', 'p_model_h_0_attn_c_attn_weight#5|1', 'p_model_h_0_attn_c_attn_bias#6|1', 'linear@0', 'split.0@0', 'split.1@0', 'split.2@0', 'view@0', 'transpose@0', 'view_1@0', 'transpose_1@0', 'view_2@0', 'transpose_2@0', 'scaled_dot_product_attention@0', 'transpose_3@0', 'contiguous@0', 'view_3@0', 'p_model_h_0_attn_c_proj_weight#7|1', 'linear_1@0', 'add@0|1', 'linear_1>add_1.1@0', 'add_1@0', 'p_model_h_0_ln_2_weight#8|2', 'p_model_h_0_ln_2_bias#9|2', 'layer_norm_1@0', 'layer_norm_1>linear_2.0@0', 'p_model_h_0_mlp_c_fc_weight#10|3', 'p_model_h_0_mlp_c_fc_bias#11|3', 'linear_2@0', 'gelu@0', 'p_model_h_0_mlp_c_proj_weight#12|3', 'linear_3@0', 'add_1@0|3', 'linear_3>add_2.1@0', 'add_2@0', 'p_model_h_1_ln_1_weight#13|4', 'p_model_h_1_ln_1_bias#14|4', 'layer_norm_2@0', 'layer_norm_2>linear_4.0@0', 'p_model_h_1_attn_c_attn_weight#15|5', 'p_model_h_1_attn_c_attn_bias#16|5', 'linear_4@0', 'split_1.0@0', 'split_1.1@0', 'split_1.2@0', 'view_4@0', 'transpose_4@0', 'view_5@0', 'transpose_5@0', 'view_6@0', 'transpose_6@0', 'scaled_dot_product_attention_1@0', 'transpose_7@0', 'contiguous_1@0', 'view_7@0', 'p_model_h_1_attn_c_proj_weight#17|5', 'linear_5@0', 'add_2@0|5', 'linear_5>add_3.1@0', 'add_3@0', 'p_model_h_1_ln_2_weight#18|6', 'p_model_h_1_ln_2_bias#19|6', 'layer_norm_3@0', 'layer_norm_3>linear_6.0@0', 'p_model_h_1_mlp_c_fc_weight#20|7', 'p_model_h_1_mlp_c_fc_bias#21|7', 'linear_6@0', 'gelu_1@0', 'p_model_h_1_mlp_c_proj_weight#22|7', 'linear_7@0', 'add_3@0|7', 'linear_7>add_4.1@0', 'add_4@0', 'p_model_ln_f_weight#23|8', 'p_model_ln_f_bias#24|8', 'layer_norm_4@0', 'share_p_model_wte_weight@0|8', 'linear_8@0', 'reshape@0', 'batch_1#25|8', 'reshape_1@0', 'cross_entropy_loss@0'))
 I60 = end(unit='0B0')
 I61 = wait_sends()
 I62 = loss_sum(group=(0, 1))
@@ -129,9 +129,10 @@ I63 = step()
 def train_step(rt, v):
     rt(I0)  # unit 0F0 begins
     v['arange@0'] = aten.arange.start_step(0, 16, 1, device=rt.device, pin_memory=False)  # (top) part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
-    rt(I1)  # p_model_lm_head_weight#0|0 = shard of lm_head.weight 0:64 x 0:32; megatron_tp.ssp:21:5
+    rt(I1)  # p_model_wte_weight#0|0 = shard of wte.weight 0:64 x 0:32; megatron_tp.ssp:21:5
+    v['share_p_model_wte_weight@0'] = aten.alias.default(v['p_model_wte_weight#0|0'])  # wte part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     rt(I2)  # batch_0#1|0 = batch[0] 0:8 x 0:16; megatron_tp.ssp:21:5
-    v['embedding@0'] = aten.embedding.default(v['p_model_lm_head_weight#0|0'], v['batch_0#1|0'])  # wte part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
+    v['embedding@0'] = aten.embedding.default(v['share_p_model_wte_weight@0'], v['batch_0#1|0'])  # wte part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     rt(I3)  # p_model_wpe_weight#2|0 = shard of wpe.weight 0:16 x 0:32; megatron_tp.ssp:21:5
     v['embedding_1@0'] = aten.embedding.default(v['p_model_wpe_weight#2|0'], v['arange@0'])  # wpe part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     v['add@0'] = aten.add.Tensor(v['embedding@0'], v['embedding_1@0'])  # (top) part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
@@ -210,8 +211,8 @@ def train_step(rt, v):
     rt(I36)  # p_model_ln_f_weight#23|8 = shard of ln_f.weight 0:32; megatron_tp.ssp:21:5
     rt(I37)  # p_model_ln_f_bias#24|8 = shard of ln_f.bias 0:32; megatron_tp.ssp:21:5
     v['layer_norm_4@0'] = aten.layer_norm.default(v['add_4@0'], (32,), v['p_model_ln_f_weight#23|8'], v['p_model_ln_f_bias#24|8'], 1e-05, False)  # ln_f part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
-    rt(I38)  # p_model_lm_head_weight#0|8 = shard of lm_head.weight 0:64 x 0:32; megatron_tp.ssp:21:5
-    v['linear_8@0'] = aten.linear.default(v['layer_norm_4@0'], v['p_model_lm_head_weight#0|8'])  # lm_head part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
+    rt(I38)  # share_p_model_wte_weight@0|8 = share_p_model_wte_weight@0 cut from its segment; megatron_tp.ssp:21:5
+    v['linear_8@0'] = aten.linear.default(v['layer_norm_4@0'], v['share_p_model_wte_weight@0|8'])  # lm_head part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     v['reshape@0'] = aten.reshape.default(v['linear_8@0'], (128, 64))  # (top) part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     rt(I39)  # batch_1#25|8 = batch[1] 0:8 x 0:16; megatron_tp.ssp:21:5
     v['reshape_1@0'] = aten.reshape.default(v['batch_1#25|8'], (128,))  # (top) part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
@@ -235,8 +236,8 @@ def train_step(rt, v):
     rt(I55)  # linear_1 -> add_1[1] mb 0 backward: nothing moves; megatron_tp.ssp:21:5
     rt(I56)  # backward of a segment from 0 loss part(s) and 1 received gradient(s); megatron_tp.ssp:21:5
     rt(I57)  # layer_norm -> linear[0] mb 0 backward: all_reduce over (0, 1); megatron_tp.ssp:21:5
-    rt(I58)  # backward of a segment from 0 loss part(s) and 2 received gradient(s); megatron_tp.ssp:18:1
-    rt(I59)  # free 92 values
+    rt(I58)  # backward of a segment from 0 loss part(s) and 3 received gradient(s); megatron_tp.ssp:18:1
+    rt(I59)  # free 93 values
     rt(I60)  # unit 0B0 ends
     rt(I61)  # wait for the sends in flight; megatron_tp.ssp:21:5
     rt(I62)  # the step's loss: all_reduce over every rank; megatron_tp.ssp:21:5

@@ -1,0 +1,32 @@
+"""Constant padding (``F.pad``): a dim padded on either side is made by the operator (its extent
+changes), so it cannot be split; every other dim passes through and can be split."""
+
+from __future__ import annotations
+
+from ssdsl.ops.build import dims, plain
+from ssdsl.ops.core import Annotation, Call, Factor, Unsplittable, register
+
+
+@register("aten.pad.default", "aten.constant_pad_nd.default")
+def pad(call: Call) -> Annotation:
+    (shape,) = call.in_shapes
+    (out_shape,) = call.out_shapes
+    widths = list(call.arg(1, "pad"))
+    mode = call.arg(2, "mode", "constant") if call.op.target == "aten.pad.default" else "constant"
+    if mode != "constant" and any(widths):
+        raise Unsplittable(f"padding mode '{mode}' reads neighbours across the padded dims")
+    labels = dims(len(shape))
+    padded = {len(shape) - 1 - i // 2 for i, w in enumerate(widths) if w}
+    ins, outs, frozen = [], [], {}
+    for d, (lab, s, o) in enumerate(zip(labels, shape, out_shape)):
+        if d in padded:
+            ins.append((Factor(f"{lab}_in", s),))
+            outs.append((Factor(lab, o),))
+            frozen[lab] = frozen[f"{lab}_in"] = "padding changes the extent of this dim"
+        else:
+            ins.append((Factor(lab, s),))
+            outs.append((Factor(lab, o),))
+    return Annotation((tuple(ins),), (tuple(outs),), frozen=frozen)
+
+
+__all__ = ["pad", "plain"]

@@ -1,0 +1,64 @@
+"""The precision a traced model really computes in.
+
+``--dtype float64`` casts the model's parameters and floating inputs, but a model may still
+compute part of its forward in a lower precision: Hugging Face models cast the logits with
+``.float()`` before the loss, mixed-precision code casts to ``bfloat16``. Then the single-device
+reference and the parallel run both compute that part in float32, in a different order of sums,
+and differ by float32 rounding: a check that expects float64 agreement reports a false mismatch.
+``computing_precision`` finds the lowest floating precision of any operator's output, so the
+check can judge with that precision's tolerance and say why.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from ssdsl.ir.graph import Graph
+
+
+@attrs.frozen
+class Precision:
+    """The lowest floating dtype the graph computes in, and the first operator that makes it
+    (None when it is the run's own dtype)."""
+
+    dtype: torch.dtype
+    op: str | None = None
+    module: str | None = None
+
+    def note(self) -> str | None:
+        """One line for the user, or None when the model computes in the run's dtype."""
+        if self.op is None:
+            return None
+        where = f" in '{self.module}'" if self.module else ""
+        return (f"part of the model computes in {_short(self.dtype)} (first at operator "
+                f"'{self.op}'{where}): the check uses {_short(self.dtype)}'s tolerance")
+
+
+def computing_precision(graph: Graph, dtype: torch.dtype) -> Precision:
+    """The lowest-precision floating dtype among the outputs of ``graph``'s operators, if lower
+    than ``dtype`` (the run's dtype), with the first operator that produces it.
+
+    >>> computing_precision(graph_of_a_float64_model, torch.float64)          # doctest: +SKIP
+    Precision(dtype=torch.float64, op=None, module=None)
+    """
+    worst = Precision(dtype)
+    for op in graph.ops:
+        for t in op.outputs:
+            found = _floating(graph.tensors[t].dtype) if t in graph.tensors else None
+            if found is not None and _eps(found) > _eps(worst.dtype):
+                worst = Precision(found, op.name, op.module)
+    return worst
+
+
+def _floating(name: str) -> torch.dtype | None:
+    value = getattr(torch, name.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
