@@ -57,8 +57,8 @@ def version() -> str:
         from importlib.metadata import PackageNotFoundError, version as dist_version
         return dist_version("ssdsl")
     except PackageNotFoundError:
-        from ssdsl import __version__
-        return __version__
+        import ssdsl
+        return ssdsl.__version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
