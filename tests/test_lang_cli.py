@@ -20,11 +20,16 @@ STDLIB = sorted(p.stem for p in (ROOT / "stdlib_plans").glob("*.ssp"))
 
 def test_plans_lists_every_stdlib_plan_with_parameters(capsys):
     assert main(["plans", "--json"]) == 0
-    listed = json.loads(capsys.readouterr().out)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema_version"] == 1 and doc["command"] == "plans"
+    listed = doc["plans"]
     assert sorted(p["name"] for p in listed) == STDLIB
     one = next(p for p in listed if p["name"] == "1f1b")
     assert one["plan"] == "one_f_one_b"
-    assert one["params"] == "stages: int = world, microbatches: int = 2 * stages, width: int = 1"
+    assert one["signature"] == "stages: int = world, microbatches: int = 2 * stages, width: int = 1"
+    assert one["params"] == {"stages": {"type": "int", "default": "world"},
+                             "microbatches": {"type": "int", "default": "2 * stages"},
+                             "width": {"type": "int", "default": "1"}}
     assert one["doc"].startswith("1F1B pipeline")
     assert main(["plans"]) == 0
     table = capsys.readouterr().out

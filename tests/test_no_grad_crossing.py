@@ -75,4 +75,4 @@ def test_no_grad_crossing_runs_and_matches_reference(capsys, plan):
     assert code == 0 and out["check"]["ok"], out["check"]
     worst = {w["what"]: w["error"] for w in out["check"]["worst"]}
     assert worst["loss"] < 1e-9 and worst["param"] < 1e-9
-    assert out["accounting"]["forward"]["p2p"]["count"] > 0
+    assert out["communication"]["forward"]["p2p"]["count"] > 0

@@ -38,7 +38,7 @@ def test_pipeline_matches_reference_float64(capsys, plan, nproc, extra):
     assert code == 0
     worst = {m["what"]: m["error"] for m in out["check"]["worst"]}
     assert worst["loss"] < 1e-9 and worst["param"] < 1e-9
-    forward = out["accounting"]["forward"]
+    forward = out["communication"]["forward"]
     assert forward["p2p"]["count"] > 0  # activations really crossed between stages
 
 
@@ -68,8 +68,8 @@ def test_1f1b_point_to_point_volume_is_the_boundary_activations(capsys):
                 if x in producer and t.stage(producer[x]) != t.stage(op.name)}
     # oracle: full-batch sizes from the traced graph (8 bytes per float64 element), no adapter
     expected = sum(graph.tensors[x].numel for x, _ in crossing) * 8
-    assert out["accounting"]["forward"]["p2p"]["bytes"] == expected
-    assert out["accounting"]["backward"]["p2p"]["bytes"] == expected
+    assert out["communication"]["forward"]["p2p"]["bytes"] == expected
+    assert out["communication"]["backward"]["p2p"]["bytes"] == expected
 
 
 BAD_ORDER = """plan bad(microbatches: int = 4)
@@ -153,5 +153,5 @@ def test_data_parallel_with_gradient_accumulation_matches(tmp_path, capsys):
     plan.write_text("plan dpacc()\nuse dp(n=2)\nmicrobatch along batch into 2\n")
     code, out = run_json(capsys, str(plan), "--nproc", "2", *EXACT)
     assert code == 0 and out["check"]["ok"], out["check"]
-    assert out["accounting"]["gradients"]["all_reduce"]["count"] >= 1
-    assert "p2p" not in out["accounting"]["forward"]
+    assert out["communication"]["gradients"]["all_reduce"]["count"] >= 1
+    assert "p2p" not in out["communication"]["forward"]

@@ -50,9 +50,9 @@ def test_megatron_forward_communication_is_one_all_reduce_per_row_linear(capsys)
     """gpt.py has 2 blocks, each with 2 row-parallel linears: 4 forward all-reduces, nothing else."""
     code, out = run_json(capsys, GPT, "megatron_tp", "--nproc", "2", "--steps", "1")
     assert code == 0
-    assert set(out["accounting"]["forward"]) == {"all_reduce"}
-    assert out["accounting"]["forward"]["all_reduce"]["count"] == 4
-    assert out["accounting"]["gradients"] == {}  # replicated weights get identical gradients
+    assert set(out["communication"]["forward"]) == {"all_reduce"}
+    assert out["communication"]["forward"]["all_reduce"]["count"] == 4
+    assert out["communication"]["gradients"] == {}  # replicated weights get identical gradients
 
 
 def test_bad_plan_fails_before_launch_with_location(capsys):
@@ -82,7 +82,7 @@ def test_save_writes_a_single_device_state_dict_and_never_overwrites(capsys, tmp
     mf = load_model_file(GPT)
     ref = run_reference(mf, steps=2, dtype=torch.float64, optimizer=OptimizerSpec("sgd"))
     model = mf.build(seed=0).double()
-    model.load_state_dict(saved, strict=False)  # tied lm_head/wte saved once
+    model.load_state_dict(saved)  # strict: the tied lm_head.weight is saved too
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, ref.final_state[name], rtol=1e-12, atol=1e-12)
     capsys.readouterr()
@@ -105,4 +105,24 @@ def test_under_torchrun_each_process_is_one_rank():
         capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout[proc.stdout.index("{"):])
-    assert out["nproc"] == 2 and out["ok"] is True
+    assert out["world"] == 2 and out["ok"] is True
+
+
+@pytest.mark.slow
+def test_bfloat16_autocast_matches_the_autocast_reference(capsys):
+    """--dtype bfloat16: float32 parameters, the forward in bfloat16 on both sides; the losses
+    are not float32's (autocast is on) but match the single-device autocast run."""
+    import torch
+
+    from ssdsl.runtime.reference import run_reference
+    from ssdsl.trace.model_file import load_model_file
+
+    code, out = run_json(capsys, GPT, "megatron_tp", "--world", "2", "--steps", "3",
+                         "--dtype", "bfloat16", "--check")
+    assert code == 0 and out["check"]["ok"], out["check"]
+    fp32 = run_reference(load_model_file(GPT), steps=3).losses
+    assert any(abs(a - b) > 1e-6 * abs(b) for a, b in zip(out["losses"], fp32))
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        bf16 = run_reference(load_model_file(GPT), steps=3).losses
+    for got, want in zip(out["losses"], bf16, strict=True):
+        assert abs(got - want) <= 2e-3 * abs(want)

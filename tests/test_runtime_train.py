@@ -19,7 +19,8 @@ import torch.distributed as dist
 from ssdsl.runtime.dist import all_gather_objects, distributed
 from ssdsl.runtime.launch import launch, report_event
 from ssdsl.runtime.reference import RunRecord, compare_runs, run_reference, to_dtype, tolerance_for
-from ssdsl.runtime.train import (LiveView, MetricsCollector, OptimizerSpec, RunResult,
+from ssdsl.runtime.progress import LiveProgress
+from ssdsl.runtime.train import (MetricsCollector, OptimizerSpec, RunResult,
                                  StepMetrics, UnknownOptimizer, build_optimizer, human_bytes,
                                  model_lr)
 from ssdsl.trace.model_file import load_model_file
@@ -131,13 +132,21 @@ def test_live_view_shows_a_row_per_rank():
     from rich.console import Console
 
     console = Console(file=io.StringIO(), width=100, force_terminal=False)
-    with LiveView(nproc=2, steps=10, console=console) as view:
+    with LiveProgress(nproc=2, steps=10, title="t", console=console) as view:
         view.on_event(1, StepMetrics(1, 4, 2.5, 0.1, 80.0, 3 * 2**20, 512 * 2**20))
         view.on_event(0, {"not": "metrics"})
-    out = console.file.getvalue()
+        out = _render_text(view.render())
     assert "5/10" in out and "2.5" in out and "3.0 MiB" in out and "512.0 MiB" in out
     assert "starting" in out  # rank 0 has reported nothing yet
+    assert "2.5000" in out and "100.0" in out  # loss and ms/step of rank 1
     assert human_bytes(512) == "512 B" and human_bytes(3 * 2**30) == "3.0 GiB"
+
+
+def _render_text(renderable) -> str:
+    from rich.console import Console
+    console = Console(file=io.StringIO(), width=120)
+    console.print(renderable)
+    return console.file.getvalue()
 
 
 def test_run_result_json_shape():

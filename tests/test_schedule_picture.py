@@ -86,3 +86,43 @@ def test_svg_boxes_match_events():
         assert float(rect.get("x")) == pytest.approx(64 + e.start * scale, abs=0.01)
         assert float(rect.get("width")) == pytest.approx((e.end - e.start) * scale, abs=0.01)
     assert "1F1B &lt;p=4&gt;" in svg
+
+
+def _labelled_boxes(svg: str) -> tuple[int, set[str]]:
+    root = ET.fromstring(svg)
+    texts = {t.text for t in root.iter("{http://www.w3.org/2000/svg}text")
+             if t.get("class") == "lbl"}
+    return int(root.get("width")), texts
+
+
+@pytest.mark.parametrize("mbs", [8, 32])
+def test_svg_width_grows_so_every_box_keeps_its_label(mbs):
+    r = simulate(one_f_one_b(4, mbs))
+    width, labels = _labelled_boxes(timeline_svg(r))
+    assert {f"{p}{k}" for p in "FB" for k in range(mbs)} <= labels  # B31 too, not only B9
+    assert width > 80 * mbs / 2  # grows with the micro-batches
+    assert "hover" not in timeline_svg(r)  # a PNG cannot be hovered
+
+
+def test_interleaved_chunks_have_their_own_colours_and_labels():
+    from ssdsl.schedule.picture import colour
+    from ssdsl.schedule.units import Pass, Unit
+    r = simulate(interleaved_1f1b(2, 4, 2))
+    svg = timeline_svg(r)
+    _, labels = _labelled_boxes(svg)
+    assert {"0F0", "2F0", "1B3", "3B3"} <= labels  # forward boxes keep their labels
+    root = ET.fromstring(svg)
+    fills = {rect.find("{http://www.w3.org/2000/svg}title").text.split()[0]: rect.get("fill")
+             for rect in root.iter("{http://www.w3.org/2000/svg}rect")
+             if rect.find("{http://www.w3.org/2000/svg}title") is not None}
+    assert fills["0F1"] != fills["2F1"]  # same device, same micro-batch, other chunk
+    assert fills["0F1"] == colour(Unit(0, Pass.F, 1), 4, 0)
+
+
+def test_rows_are_named_by_the_devices_they_stand_for():
+    from ssdsl.schedule.picture import row_names
+    r = simulate(one_f_one_b(2, 4))
+    names = row_names(r, [(0, 1, 2, 3), (4, 5, 6, 7)])
+    assert names == ["devs 0..4", "devs 4..8"]  # half-open, as in plans
+    assert "devs 4..8" in timeline_text(r, names=names).plain
+    assert ">devs 0..4<" in timeline_svg(r, names=names)

@@ -14,9 +14,10 @@ import sys
 from collections.abc import Sequence
 
 from ssdsl.errors import SsdslError
+from ssdsl.schema import SCHEMA_VERSION
 
 # In the order ``ssdsl --help`` lists them, which is the order a user meets them.
-COMMANDS = ("plans", "trace", "check", "fmt", "show", "cost", "compile", "run")
+COMMANDS = ("plans", "trace", "check", "fmt", "show", "cost", "compile", "run", "merge")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,6 +32,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ssdsl", description="Parallelization plans for PyTorch models: "
                      "partition, replicate, assign, order.")
+    parser.add_argument("--version", action="version", version=f"ssdsl {version()}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
@@ -41,7 +43,22 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # command not built yet
             raise
         module.register(sub)
+    for command in sub.choices.values():
+        # `ssdsl run ... --debug` as well as `ssdsl --debug run ...` (errors say "run with
+        # --debug"); SUPPRESS keeps the top-level value when the flag is not repeated here.
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show tracebacks of errors")
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version, or the source tree's."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version as dist_version
+        return dist_version("ssdsl")
+    except PackageNotFoundError:
+        import ssdsl
+        return ssdsl.__version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,11 +73,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SsdslError as err:
         if args.debug:
             raise
-        print(err.render(), file=sys.stderr)
+        if getattr(args, "json", False):
+            print_json_error(err, getattr(args, "command", None))
+        else:
+            print(err.render(), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `ssdsl ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
+
+
+def error_json(err: SsdslError, command: str | None = None) -> dict:
+    """An error as the ``--json`` commands print it (docs/json.md)."""
+    from ssdsl.errors import ErrorGroup
+    errors = err.errors if isinstance(err, ErrorGroup) else [err]
+    return {"schema_version": SCHEMA_VERSION, "command": command, "ok": False,
+            "errors": [{"kind": type(e).__name__, "message": e.message,
+                        "file": e.file, "line": e.span.line if e.span else None,
+                        "column": e.span.column if e.span else None, "hint": e.hint,
+                        "text": e.render()} for e in errors]}
+
+
+def print_json_error(err: SsdslError, command: str | None = None) -> None:
+    """Under ``--json`` an error is JSON on stdout too (a tool reads one stream); the text form
+    still goes to stderr for a person watching."""
+    import json
+    print(json.dumps(error_json(err, command), indent=1))
+    print(err.render(), file=sys.stderr)
 
 
 def run_main() -> None:

@@ -7,8 +7,6 @@ which dims were split into how many, how many copies, and the devices that hold 
 
 from __future__ import annotations
 
-import json
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +41,7 @@ def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False,
     verdict = _verify(mf, plan) if verify else None
     rows = op_rows(result)
     if as_json:
+        from ssdsl.cli.jsonout import emit
         data = to_json(model, plan, result, rows)
         data["communication"] = comm
         data["programs"] = {"ranks": len(programs),
@@ -52,8 +51,8 @@ def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False,
                               "edges_checked": verdict.edges_checked,
                               "loss": verdict.loss, "reference_loss": verdict.reference_loss,
                               "max_grad_error": verdict.max_grad_error}
-        json.dump(data, sys.stdout, indent=1, default=str)
-        sys.stdout.write("\n")
+            data["ok"] = verdict.ok
+        emit("check", data)
     else:
         print_table(model, plan, result, rows)
         from rich.console import Console
@@ -171,12 +170,10 @@ def to_json(model: str, plan: ElaboratedPlan, t: Transformed,
 
 
 def devices_text(devices: Sequence[int]) -> str:
-    """``0..3`` for a run of consecutive ids, else ``0,2,5``; ``-`` for none."""
-    if not devices:
-        return "-"
-    if len(devices) > 2 and list(devices) == list(range(devices[0], devices[-1] + 1)):
-        return f"{devices[0]}..{devices[-1]}"
-    return ",".join(map(str, devices))
+    """``0..4`` (half-open, as ranges are in plans: devices 0, 1, 2, 3) for a run of consecutive
+    ids, else ``0,2,5``; ``-`` for none."""
+    from ssdsl.schedule.picture import ranges_text
+    return ranges_text(devices) if devices else "-"
 
 
 def split_text(row: dict[str, Any]) -> str:
@@ -206,7 +203,8 @@ def print_table(model: str, plan: ElaboratedPlan, t: Transformed,
     console.print(table, highlight=False)
     n_parts = sum(r["parts"] for r in rows)
     console.print(f"{len(rows)} operators, {n_parts} parts on devices "
-                  f"{devices_text(t.devices())}", highlight=False)
+                  f"{devices_text(t.devices())} (a..b: devices a to b-1, as in plans)",
+                  highlight=False)
     for note in t.notes:
         console.print(f"note: {note}", style="yellow", highlight=False)
     if t.deferred:

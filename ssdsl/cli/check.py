@@ -7,8 +7,6 @@ meta device, and each operator's parts are listed (``ssdsl.cli._resolve``).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
 from ssdsl.elaborate import DEFAULT_WORLD, ElaboratedPlan, elaborate, load_plan
@@ -80,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if model is not None:
         return _check_with_model(model, plan, args)
     if args.json:
-        json.dump(plan.to_json(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        from ssdsl.cli.jsonout import emit
+        emit("check", plan.to_json())
     else:
         print_plan(plan)
     return 0

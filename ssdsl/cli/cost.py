@@ -9,8 +9,6 @@ the compute, communication, parameter/gradient/optimizer bytes and peak memory.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
 from ssdsl.errors import SsdslError, UsageError
@@ -30,7 +28,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("plan", metavar="PLAN", help="plan file or stdlib plan name")
     add_plan_options(p)
     p.add_argument("--device", default="a100", choices=profile_names(),
-                   help="device profile (default a100; cpu: measured by bench/bench_cost.py)")
+                   help="device profile (default: a100; cpu: measured by bench/bench_cost.py)")
     nodes = p.add_mutually_exclusive_group()
     nodes.add_argument("--per-node", type=int, default=None, metavar="K",
                        help="devices per node (default: the profile's, 8 for GPUs)")
@@ -40,7 +38,8 @@ def register(subparsers: Any) -> None:
                    help="compute dtype (default float32; half dtypes keep fp32 master weights)")
     p.add_argument("--optimizer", default="model", choices=OPTIMIZERS,
                    help="optimizer state to count (default: the model file's optimizer)")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch size")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global batch size (default: the model file's BATCH_SIZE)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)
 
@@ -70,9 +69,10 @@ def run(args: argparse.Namespace) -> int:
                        optimizer=_optimizer(args.optimizer, mf))
     report = estimate(m, opts)
     if args.json:
-        data = {"model": args.model, "plan": plan.name, **report.to_json()}
-        json.dump(data, sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        from ssdsl.cli.jsonout import emit
+        emit("cost", {"model": args.model, "plan": plan.name, "world": plan.world,
+                      "params": {k: v if isinstance(v, (int, float, bool, str)) else str(v)
+                                 for k, v in plan.params}, **report.to_json()})
     else:
         _print(args.model, plan.name, report)
     return 0

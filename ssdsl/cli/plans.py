@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
 from ssdsl.elaborate import stdlib_plans
@@ -17,12 +15,24 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def param_table(path) -> dict[str, dict[str, Any]]:
+    """``{name: {"type": "int", "default": "world"}}`` for the plan in ``path`` (the default as
+    the plan writes it: an expression, or null when the parameter has none)."""
+    from ssdsl.parse import parse_file
+    from ssdsl.parse.format import expr
+
+    params = parse_file(path).plan.params
+    return {p.name: {"type": p.type, "default": expr(p.default) if p.default else None}
+            for p in params}
+
+
 def run(args: argparse.Namespace) -> int:
     plans = stdlib_plans()
     if args.json:
-        json.dump([{"name": p.name, "plan": p.plan_name, "params": p.params, "doc": p.doc,
-                    "path": str(p.path)} for p in plans], sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        from ssdsl.cli.jsonout import emit
+        emit("plans", {"plans": [{"name": p.name, "plan": p.plan_name,
+                                  "params": param_table(p.path), "signature": p.params,
+                                  "doc": p.doc, "path": str(p.path)} for p in plans]})
         return 0
     from rich.console import Console
     from rich.table import Table

@@ -1,15 +1,18 @@
-"""``ssdsl run MODEL PLAN``: train with a plan on N local processes (or under torchrun)."""
+"""``ssdsl run MODEL PLAN``: train with a plan on N local processes (or under torchrun).
+
+Every option is registered in ``register`` below, grouped as ``--help`` shows them; the job is
+described by ``JobSpec`` (``ssdsl.runtime.job``), which every rank rebuilds the plan from.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
-import attrs
-from rich.console import Console
 
 from ssdsl.cli.check import parse_sets
 from ssdsl.errors import UsageError
@@ -17,129 +20,232 @@ from ssdsl.errors import UsageError
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="train a model file with a plan on torch.distributed",
-                       description="Train MODEL with PLAN on --nproc local processes (gloo on "
-                       "CPU, nccl on GPUs), or in this process under torchrun.")
+                       description="Train MODEL with PLAN on --world local processes (gloo on "
+                       "CPU, nccl on GPUs), or in this process under torchrun. Output: one "
+                       "line per step (a live panel on a terminal), then a summary.")
     p.add_argument("model", help="the model file (.py)")
     p.add_argument("plan", help="a .ssp file or a stdlib plan name")
-    p.add_argument("--nproc", type=int, default=None, help="local processes (default: 1)")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="a plan parameter")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--optimizer", choices=("model", "sgd", "adamw"), default="model")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--check", action="store_true",
-                   help="also train the single-device reference and compare")
-    p.add_argument("--no-verify", action="store_true",
-                   help="skip the check before launch (one step of all ranks simulated in this "
-                   "process against the plain model); the output then says it was skipped")
-    p.add_argument("--json", action="store_true", help="print a machine-readable result")
-    p.add_argument("--save", metavar="FILE", default=None,
-                   help="write the final parameters, merged into one single-device state dict "
-                   "(torch.save), atomically; an existing FILE is never overwritten")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is ended")
-    p.add_argument("--compiled", metavar="DIR", default=None,
-                   help="run the per-rank files `ssdsl compile` wrote into DIR (rank<N>.py)")
+
+    job = p.add_argument_group("the job")
+    job.add_argument("--world", "--nproc", dest="world", type=int, default=None, metavar="N",
+                     help="number of ranks (local processes); under torchrun, its world size "
+                     "(default: 1, or torchrun's)")
+    job.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                     help="a plan parameter (repeatable)")
+    job.add_argument("--steps", type=int, default=5, help="training steps (default: %(default)s)")
+    job.add_argument("--batch-size", type=int, default=None, metavar="B",
+                     help="the global batch size (default: the model file's BATCH_SIZE, or 8)")
+    job.add_argument("--seed", type=int, default=0,
+                     help="seed of the model's initial parameters (default: %(default)s)")
+    job.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
+                     help="parameter and activation dtype; bfloat16: float32 parameters, the "
+                     "forward under torch.autocast to bfloat16 (default: %(default)s)")
+    job.add_argument("--optimizer", choices=("model", "sgd", "adamw"), default="model",
+                     help="the model file's make_optimizer, plain SGD or AdamW "
+                     "(default: %(default)s)")
+    job.add_argument("--lr", type=float, default=None,
+                     help="learning rate for --optimizer sgd|adamw (default: the model file's)")
+    job.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                     help="end the whole job after this long (default: %(default)g)")
+    job.add_argument("--compiled", metavar="DIR", default=None,
+                     help="run the per-rank files `ssdsl compile` wrote into DIR (rank<N>.py) "
+                     "instead of interpreting the plan (default: interpret)")
+
+    check = p.add_argument_group("checking")
+    check.add_argument("--check", action="store_true",
+                       help="also train the single-device reference and compare every step's "
+                       "loss and the final parameters (exit status 1 on a mismatch)")
+    check.add_argument("--no-verify", action="store_true",
+                       help="skip the check before launch (one step of all ranks simulated in "
+                       "this process against the plain model); the output then says it was "
+                       "skipped")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true",
+                     help="print one JSON document on stdout (docs/json.md); progress lines "
+                     "go to stderr")
+    out.add_argument("--metrics", metavar="FILE", default=None,
+                     help="write one JSON line per step to FILE as it completes (docs/json.md)")
+
+    ckpt = p.add_argument_group("checkpoints")
+    ckpt.add_argument("--save", metavar="FILE", default=None,
+                      help="write the final parameters, merged into one single-device state "
+                      "dict (torch.save), atomically; an existing FILE is never overwritten")
+    ckpt.add_argument("--checkpoint", metavar="DIR", default=None,
+                      help="write a sharded checkpoint at the end: one file per rank with its "
+                      "shards and optimizer state (merge with `ssdsl merge DIR`)")
+    ckpt.add_argument("--resume", metavar="PATH", default=None,
+                      help="start from a checkpoint directory (parameters, optimizer state, "
+                      "step; --steps counts from 0) or from a state-dict file (parameters)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the runtime pulls in torch.distributed, which other commands do not need.
-    from ssdsl.runtime.job import DTYPES, JobSpec, rank_main
-    from ssdsl.runtime.launch import launch, under_torchrun
-    from ssdsl.runtime.reference import compare_runs, run_reference, tolerance_for, RunRecord
-    from ssdsl.runtime.train import OptimizerSpec
-    from ssdsl.trace.model_file import load_model_file
+    from ssdsl.runtime.job import JobSpec
+    from ssdsl.runtime.launch import under_torchrun
 
-    for flag in ("steps", "batch_size", "nproc"):
+    _check_flags(args)
+    sets = parse_sets(args.set)
+    world = _world(args, sets, torchrun=under_torchrun())
+    first_step = _first_step(args)
+    spec = JobSpec(args.model, args.plan, tuple(sets.items()), args.steps, args.batch_size,
+                   args.seed, args.dtype, args.optimizer, args.lr, resume=args.resume,
+                   checkpoint=args.checkpoint, compiled=args.compiled)
+    result = _train(spec, args, world=world, first_step=first_step)
+    if result is None:
+        return 0  # a rank other than 0 under torchrun: rank 0 reports
+    result, progress, verification = result
+    if args.save:
+        _saved_at(Path(args.save), save_atomically(result["params"], Path(args.save)))
+    verdict, precision = _check(args, spec, result, first_step) if args.check else (None, None)
+    if args.json:
+        doc = run_json(args, spec, result, progress, verdict)
+        doc["verify"] = verification.as_dict()
+        doc["check_precision"] = precision.note() if precision is not None else None
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        if precision is not None and precision.note():
+            print(f"note: {precision.note()}")
+        _print_summary(result, progress, verdict)
+    return 0 if verdict is None or verdict.ok else 1
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    for flag in ("steps", "batch_size", "world"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
     if args.save and Path(args.save).exists():
         raise UsageError(f"--save: {args.save} exists; ssdsl does not overwrite files",
                          hint="choose a new file name or remove the old one")
-    spec = JobSpec(args.model, args.plan, tuple(parse_sets(args.set).items()), args.steps, args.batch_size,
-                   args.seed, args.dtype, args.optimizer, args.lr, compiled=args.compiled)
+    if args.metrics and Path(args.metrics).exists():
+        raise UsageError(f"--metrics: {args.metrics} exists; ssdsl does not overwrite files",
+                         hint="choose a new file name or remove the old one")
+    if args.checkpoint and Path(args.checkpoint).exists() and any(Path(args.checkpoint).iterdir()):
+        raise UsageError(f"--checkpoint: {args.checkpoint} exists and is not empty; ssdsl does "
+                         "not overwrite checkpoints", hint="choose a new directory")
+
+
+def _world(args: argparse.Namespace, sets: dict[str, str], *, torchrun: bool) -> int:
+    """The number of ranks, said once: --world (or --nproc), or torchrun's world size."""
+    import os
+    world = args.world
+    if torchrun:
+        actual = int(os.environ["WORLD_SIZE"])
+        if world is not None and world != actual:
+            raise UsageError(f"--world {world}, but torchrun started {actual} ranks",
+                             hint="leave out --world under torchrun")
+        world = actual
+    world = world or 1
+    if "world" in sets:
+        if sets["world"].strip() != str(world):
+            raise UsageError(f"--set world={sets['world']} disagrees with the {world} rank"
+                             f"{'s' if world > 1 else ''} this run starts",
+                             hint=f"the world of `run` is the number of ranks: give --world "
+                             f"{sets['world']} instead of --set world=...")
+        del sets["world"]
+    return world
+
+
+def _first_step(args: argparse.Namespace) -> int:
+    """The step a --resume continues from; a run that would train nothing is refused."""
+    if not args.resume:
+        return 0
+    from ssdsl.runtime.checkpoint import checkpoint_step, is_state_dict_file
+    if args.check and is_state_dict_file(args.resume):
+        raise UsageError(f"--check compares with the single-device model trained from seed "
+                         f"{args.seed}; {args.resume} is a state dict, not a checkpoint of "
+                         "such a run", hint="resume from a --checkpoint directory, or leave "
+                         "out --check")
+    start = checkpoint_step(args.resume)
+    if start >= args.steps:
+        raise UsageError(f"--resume {args.resume} has trained {start} steps already; --steps "
+                         f"{args.steps} leaves nothing to train",
+                         hint=f"--steps counts from step 0: give more than {start}")
+    return start
+
+
+def _train(spec: Any, args: argparse.Namespace, *, world: int, first_step: int):
+    """Launch (or, under torchrun, be one rank of) the job, showing progress; rank 0's result."""
+    from ssdsl.runtime.job import rank_main
+    from ssdsl.runtime.launch import launch, set_local_event_handler, under_torchrun
+    from ssdsl.runtime.progress import MetricsFile, make_progress
+
+    import os
+
+    import attrs
+
     from ssdsl.runtime.init import initial_state_file
     from ssdsl.runtime.preflight import verify_before_launch
-    if under_torchrun():
-        # every rank verifies (the same, deterministic answer), so that all of them stop together
-        verification = verify_before_launch(spec, int(os.environ["WORLD_SIZE"]),
-                                            enabled=not args.no_verify)
-        if os.environ.get("RANK") == "0":
-            print(verification.line(), file=sys.stderr)
-        result = rank_main(spec)
-        if result is None:
-            return 0
-        nproc = len(result["ranks"])
-    else:
-        nproc = args.nproc or 1
+    from ssdsl.trace.model_file import load_model_file
+
+    torchrun = under_torchrun()
+    rank = 0
+    if torchrun:
+        rank = int(os.environ["RANK"])
+    metrics = MetricsFile(args.metrics) if args.metrics and rank == 0 else None
+    stream = sys.stderr if args.json else sys.stdout
+    progress = make_progress(nproc=1 if torchrun else world, steps=args.steps - first_step,
+                             first_step=first_step, title=f"ssdsl run {args.model} {args.plan}",
+                             metrics=metrics, stream=stream,
+                             live=None if rank == 0 else False)
+    with progress:
+        progress.phase("planning and verifying (trace the model, apply and check the plan, "
+                       "simulate one step of all ranks)")
         # Plan once here, exactly as every rank will: a bad model file or plan fails now, once,
         # with its location and exit status 2, instead of in N processes after they started;
-        # and verify it against the plain model (DESIGN §7), or say that it was not.
-        verification = verify_before_launch(spec, nproc, enabled=not args.no_verify)
-        print(verification.line(), file=sys.stderr)
+        # and verify it against the plain model (DESIGN §7), or say that it was not. Under
+        # torchrun every rank verifies (the same, deterministic answer), so all stop together.
+        verification = verify_before_launch(spec, world, enabled=not args.no_verify)
+        if rank == 0:  # on stderr, beside errors: a fact about the plan, not progress
+            sys.stdout.flush()
+            print(verification.line(), file=sys.stderr, flush=True)
+        if torchrun:
+            # each process sees only its own events; rank 0 shows them
+            if rank == 0:
+                set_local_event_handler(progress.on_event)
+            try:
+                result = rank_main(spec)
+            finally:
+                set_local_event_handler(None)
+            return None if result is None else (result, progress, verification)
         # the seeded model's state, written once here: each rank maps it and copies its regions
         with initial_state_file(load_model_file(args.model), seed=args.seed) as init_file:
-            ranks = attrs.evolve(spec, init_file=init_file)
-            if args.json:
-                result = launch(rank_main, nproc=nproc, args=(ranks,), timeout_s=args.timeout)[0]
-            else:
-                from ssdsl.runtime.train import LiveView
-                with LiveView(nproc=nproc, steps=args.steps,
-                              title=f"ssdsl run {args.model} {args.plan}") as view:
-                    result = launch(rank_main, nproc=nproc, args=(ranks,),
-                                    timeout_s=args.timeout, on_event=view.on_event)[0]
-    if args.save:
-        _saved_at(Path(args.save), save_atomically(result["params"], Path(args.save)))
-    console = Console(file=sys.stdout, soft_wrap=True)
-    verdict = None
-    if args.check:
+            progress.phase(f"starting {world} rank{'s' if world > 1 else ''}")
+            result = launch(rank_main, nproc=world,
+                            args=(attrs.evolve(spec, init_file=init_file),),
+                            timeout_s=args.timeout, on_event=progress.on_event)[0]
+        return result, progress, verification
+
+
+def _check(args: argparse.Namespace, spec: Any, result: dict, first_step: int):
+    """Compare with the single-device reference trained from step 0 (a resumed run must follow
+    the uninterrupted trajectory)."""
+    from ssdsl.runtime.job import DTYPES
+    from ssdsl.runtime.reference import RunRecord, compare_runs, run_reference, tolerance_for
+    from ssdsl.runtime.train import OptimizerSpec
+    from ssdsl.trace.model_file import load_model_file
+
+    from ssdsl.runtime.train import autocast
+    with autocast(args.dtype):  # the reference in the same precision
         ref = run_reference(load_model_file(args.model), steps=args.steps,
                             batch_size=args.batch_size, seed=args.seed,
                             dtype=DTYPES[args.dtype],
                             optimizer=OptimizerSpec(args.optimizer, args.lr))
-        mine = RunRecord(losses=tuple(result["losses"]), final_state=result["params"])
-        expected = RunRecord(losses=ref.losses,
-                             final_state={k: v for k, v in ref.final_state.items()
-                                          if k in result["params"]})
-        precision = _precision(args.model, DTYPES[args.dtype])
-        verdict = compare_runs(expected, mine, tolerance=tolerance_for(
-            precision.dtype, reordered_sums=True))
-    if args.json:
-        import json
-        out = {"model": args.model, "plan": args.plan, "nproc": nproc, "steps": args.steps,
-               "losses": result["losses"], "accounting": result["accounting"],
-               "ranks": [_asdict(r) for r in result["ranks"]],
-               "check": verdict.as_dict() if verdict else None,
-               "check_precision": precision.note() if verdict else None,
-               "verify": verification.as_dict(),
-               "ok": None if verdict is None else verdict.ok}
-        print(json.dumps(out, indent=2, default=str))
-    else:
-        for i, loss in enumerate(result["losses"]):
-            console.print(f"step {i:>4}  loss {loss:.6f}")
-        acc = result["accounting"]
-        console.print(f"communication per step: {acc['total_bytes']:,} bytes "
-                      f"(forward {acc['forward']}, backward {acc['backward']}, "
-                      f"gradients {acc['gradients']})")
-        for r in result["ranks"]:
-            rr = _asdict(r)
-            console.print(f"rank {rr['rank']}: {rr['median_step_s'] * 1e3:.1f} ms/step, "
-                          f"{rr['samples_per_s']:.1f} samples/s, peak memory "
-                          f"{rr['peak_memory_bytes'] / 2**20:.0f} MiB")
-        if verdict is not None:
-            if precision.note():
-                console.print(f"note: {precision.note()}")
-            console.print(verdict.summary())
-    return 0 if verdict is None or verdict.ok else 1
+    mine = RunRecord(losses=tuple(result["losses"]), final_state=result["params"])
+    expected = RunRecord(losses=ref.losses[first_step:],
+                         final_state={k: v for k, v in ref.final_state.items()
+                                      if k in result["params"]})
+    precision = _precision(args.model, DTYPES[args.dtype])
+    check_dtype = torch.bfloat16 if args.dtype == "bfloat16" else precision.dtype
+    verdict = compare_runs(expected, mine, tolerance=tolerance_for(check_dtype,
+                                                                   reordered_sums=True))
+    return verdict, precision
 
 
 def _precision(model_file: str, dtype):
     """The precision the model computes in under ``dtype`` (``ssdsl.trace.precision``)."""
-    import torch
     from ssdsl.trace import trace
     from ssdsl.trace.model_file import load_model_file
     from ssdsl.trace.precision import computing_precision
@@ -148,9 +254,64 @@ def _precision(model_file: str, dtype):
     return computing_precision(trace(mf, device="cpu", model=model), dtype)
 
 
+def communication_text(acc: dict) -> str:
+    """``219.0 KiB per step: gradients 1 all_reduce`` from ``Materialized.accounting()``."""
+    from ssdsl.runtime.train import human_bytes
+    phases = []
+    for phase in ("forward", "backward", "gradients"):
+        kinds = acc.get(phase) or {}
+        if kinds:
+            phases.append(f"{phase} " + ", ".join(f"{v['count']} {k} ({human_bytes(v['bytes'])})"
+                                                  for k, v in kinds.items()))
+    return f"{human_bytes(acc['total_bytes'])} per step" + (": " + "; ".join(phases)
+                                                             if phases else "")
+
+
+def _print_summary(result: dict, progress: Any, verdict: Any) -> None:
+    out = sys.stdout
+    for line in progress.summary().lines():
+        out.write(line + "\n")
+    out.write(f"  comm       {communication_text(result['accounting'])}\n")
+    if verdict is not None:
+        out.write(verdict.summary() + "\n")
+    out.flush()
+
+
+def run_json(args: argparse.Namespace, spec: Any, result: dict, progress: Any,
+             verdict: Any) -> dict[str, Any]:
+    """The ``ssdsl run --json`` document (docs/json.md)."""
+    from ssdsl.cli.jsonout import document
+    first = result.get("first_step", 0)
+    return document("run", {
+            "model": args.model, "plan": args.plan, "params": dict(spec.sets),
+            "world": len(result["ranks"]), "steps": args.steps, "first_step": first,
+            "batch_size": args.batch_size or _model_batch_size(args.model), "seed": args.seed, "dtype": args.dtype,
+            "optimizer": args.optimizer,
+            "losses": result["losses"],
+            "steps_detail": [r.as_json() for r in progress.rows],
+            "summary": progress.summary().as_json(),
+            "communication": result["accounting"],
+            "ranks": [_rank_json(_asdict(r)) for r in result["ranks"]],
+            "check": verdict.as_dict() if verdict else None,
+            "ok": True if verdict is None else verdict.ok})
+
+
+def _model_batch_size(model: str) -> int:
+    from ssdsl.trace.model_file import load_model_file
+    return load_model_file(model).batch_size
+
+
+def _rank_json(r: dict) -> dict:
+    """A rank's summary with the names and units of the step rows (ms, communication_bytes)."""
+    return {"rank": r["rank"], "steps": r["steps"], "median_step_ms": r["median_step_s"] * 1e3,
+            "samples_per_s": r["samples_per_s"],
+            "communication_bytes_per_step": r["comm_bytes_per_step"],
+            "peak_memory_bytes": r["peak_memory_bytes"]}
+
+
 def save_atomically(state: dict, path: Path) -> Path:
-    """``torch.save`` to a temporary file beside ``path``, then link it into place; the path
-    written is returned.
+    """``torch.save`` to a temporary file beside ``path``, then link it into place with the mode
+    of a new file (0644 under the usual umask); the path written is returned.
 
     ``os.link`` fails when ``path`` appeared meanwhile, so a file created by someone else between
     the check and the write is never replaced; the trained parameters are then linked under the
@@ -159,6 +320,8 @@ def save_atomically(state: dict, path: Path) -> Path:
     """
     import os
     import tempfile
+
+    from ssdsl.runtime.checkpoint import current_umask
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -170,6 +333,7 @@ def save_atomically(state: dict, path: Path) -> Path:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600
         for candidate in _fresh_names(path):
             try:
                 os.link(tmp, candidate)

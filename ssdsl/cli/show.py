@@ -11,10 +11,8 @@ model file is accepted and unit costs are used.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ from ssdsl.check import CommModel, check_schedule
 from ssdsl.cli.check import add_plan_options, elaborate_from_args
 from ssdsl.errors import UsageError
 from ssdsl.schedule.lower import lower_schedule
-from ssdsl.schedule.picture import timeline_svg, timeline_text
+from ssdsl.schedule.picture import row_names, timeline_svg, timeline_text
 from ssdsl.schedule.simulate import Costs, simulate
 
 
@@ -36,12 +34,16 @@ def register(subparsers: Any) -> None:
                    help="an optional model file (.py), then a plan file or stdlib plan name")
     add_plan_options(p)
     p.add_argument("-o", "--output", default=None, metavar="FILE",
-                   help="picture to write: .svg, or .png with rsvg-convert (default PLAN.svg)")
+                   help="picture to write: .svg, or .png with rsvg-convert (default: PLAN.svg, "
+                   "or PLAN-2.svg, ... when that exists: an existing file is never replaced "
+                   "unless named with -o and written by ssdsl show)")
     p.add_argument("--no-picture", action="store_true", help="print only; write no file")
-    p.add_argument("--forward", type=float, default=1.0, help="cost of a forward unit")
+    p.add_argument("--forward", type=float, default=1.0,
+                   help="cost of a forward unit (default: %(default)g)")
     p.add_argument("--backward", type=float, default=None,
-                   help="cost of a backward unit (default twice --forward)")
-    p.add_argument("--latency", type=float, default=0.0, help="time a message takes")
+                   help="cost of a backward unit (default: twice --forward)")
+    p.add_argument("--latency", type=float, default=0.0,
+                   help="time a message takes (default: %(default)g)")
     p.add_argument("--blocking-sends", action="store_true",
                    help="check deadlocks with blocking sends (default: asynchronous, as the "
                         "runtime issues them)")
@@ -69,8 +71,29 @@ def _write_picture(svg: str, out: Path) -> None:
         raise UsageError(f"-o {out}: the picture must end in .svg or .png")
     tool = shutil.which("rsvg-convert")
     if tool is None:
-        raise UsageError("writing PNG needs rsvg-convert (librsvg); write .svg instead")
-    subprocess.run([tool, "-o", str(out)], input=svg.encode(), check=True)
+        raise UsageError(f"-o {out}: writing PNG needs the rsvg-convert program (librsvg), "
+                         "which is not on PATH",
+                         hint="install it (apt install librsvg2-bin, brew install librsvg), "
+                         "or write .svg")
+    done = subprocess.run([tool, "-o", str(out)], input=svg.encode(), capture_output=True)
+    if done.returncode != 0:
+        raise UsageError(f"-o {out}: rsvg-convert failed: "
+                         f"{done.stderr.decode(errors='replace').strip()[:300]}")
+
+
+def _n(count: int, one: str, many: str | None = None) -> str:
+    return f"{count} {one if count == 1 else many or one + 's'}"
+
+
+def fresh_name(stem: str, suffix: str = ".svg") -> Path:
+    """``stem.svg``, or ``stem-2.svg``, ``stem-3.svg``, ... : the first that does not exist, so
+    a picture written without -o never replaces a file in the current directory."""
+    out = Path(stem + suffix)
+    k = 2
+    while out.exists():
+        out = Path(f"{stem}-{k}{suffix}")
+        k += 1
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     if len(targets) > 2 or (len(targets) == 2 and not targets[0].endswith(".py")):
         raise UsageError("show takes [MODEL] PLAN, the model file ending in .py")
     plan = elaborate_from_args(targets[-1], args)
+    assumed = args.world is None and not any(item.split("=", 1)[0].strip() == "world"
+                                             for item in args.sets)
     lowered = lower_schedule(plan.directives)
     if lowered is None:
         raise UsageError(f"plan '{plan.name}' has no 'stages' statement: there is no pipeline "
@@ -87,22 +112,31 @@ def run(args: argparse.Namespace) -> int:
     costs = Costs(forward=args.forward, backward=args.backward, latency=args.latency)
     result = simulate(lowered.schedule, costs)
     s = lowered.schedule
-    title = f"{plan.name}: {s.stages.num_stages} stages on {s.num_devices} ranks, " \
-            f"{s.microbatches} micro-batches"
+    title = f"{plan.name}: {_n(s.stages.num_stages, 'stage')} on " \
+            f"{_n(s.num_devices, 'pipeline rank')} ({_n(plan.world, 'device')}), " \
+            f"{_n(s.microbatches, 'micro-batch', 'micro-batches')}"
+    names = row_names(result, lowered.groups)
     if args.json:
-        json.dump({"plan": plan.name, "ranks": [list(g) for g in lowered.groups],
+        from ssdsl.cli.jsonout import emit
+        emit("show", {"plan": plan.name,
+                   "world": plan.world, "world_assumed": assumed,
+                   "params": {k: v if isinstance(v, (int, float, bool, str)) else str(v)
+                              for k, v in plan.params},
+                   "ranks": [list(g) for g in lowered.groups],
                    "makespan": result.makespan, "bubble_ratio": result.bubble_ratio,
                    "bubble_overhead": result.bubble_overhead,
                    "peak_activations": list(result.peak_activations),
-                   "programs": [str(p) for p in s.programs]}, sys.stdout, indent=1)
-        sys.stdout.write("\n")
+                   "programs": [str(p) for p in s.programs]})
     else:
         console = Console(highlight=False, soft_wrap=True)
+        if assumed:
+            console.print(f"world = {plan.world} (assumed: give --world N for the number of "
+                          "devices)", style="yellow")
         console.print(title, style="bold")
-        console.print(timeline_text(result))
+        console.print(timeline_text(result, names=names))
     if not args.no_picture:
-        out = Path(args.output or f"{plan.name}.svg")
-        _write_picture(timeline_svg(result, title=title), out)
+        out = Path(args.output) if args.output else fresh_name(plan.name)
+        _write_picture(timeline_svg(result, title=title, names=names), out)
         if not args.json:
             print(f"wrote {out}")
     return 0

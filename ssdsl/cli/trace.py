@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 from ssdsl.trace import trace
 from ssdsl.trace.model_file import load_model_file
@@ -16,7 +14,7 @@ def register(subparsers) -> None:
                               description="Trace MODEL's forward and loss with torch.export (on "
                               "the meta device: nothing is allocated) and list its operators.")
     p.add_argument("model", help="model file (see docs/model_file.md)")
-    p.add_argument("--json", action="store_true", help='print {"ops": [...]} instead of a table')
+    p.add_argument("--json", action="store_true", help='print JSON (docs/json.md) instead of a table')
     p.add_argument("--device", default="meta", choices=("meta", "cpu"),
                    help="device to build the model on (default: meta)")
     p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the "
@@ -30,9 +28,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         params = [{"name": q, "shape": list(graph.tensors[t].shape)}
                   for t, q in graph.params.items()]
-        json.dump({"ops": rows, "params": params, "inputs": list(graph.inputs),
-                   "output": graph.output}, sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        from ssdsl.cli.jsonout import emit
+        emit("trace", {"model": args.model, "ops": rows, "weights": params,
+                       "inputs": list(graph.inputs), "output": graph.output})
         return 0
     _print_table(rows, args.model, len(graph.params))
     return 0

@@ -20,9 +20,9 @@ from ssdsl.lower import lower_plan
 from ssdsl.elaborate import elaborate_file
 from ssdsl.materialize.program import Materialized, materialize
 from ssdsl.runtime import dist as sdist
-from ssdsl.runtime.executor import RankProgram, assemble, create_groups
+from ssdsl.runtime.executor import RankProgram, create_groups
 from ssdsl.runtime.launch import report_event
-from ssdsl.runtime.train import MetricsCollector, OptimizerSpec
+from ssdsl.runtime.train import MetricsCollector, OptimizerSpec, autocast
 from ssdsl.errors import SsdslError
 from ssdsl.schedule.lower import Lowered
 from ssdsl.schedule.units import Pass
@@ -31,7 +31,9 @@ from ssdsl.trace.export import trace
 from ssdsl.trace.model_file import load_model_file
 from ssdsl.transform import Transformed, transform
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# The parameters' dtype per --dtype; "bfloat16" keeps float32 parameters (and optimizer state)
+# and runs the forward under autocast (``ssdsl.runtime.train.autocast``).
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
 
 @attrs.frozen
@@ -47,6 +49,8 @@ class JobSpec:
     dtype: str = "float32"
     optimizer: str = "model"
     lr: float | None = None
+    resume: str | None = None        # a checkpoint directory or a state-dict file to start from
+    checkpoint: str | None = None    # a directory to write this run's sharded checkpoint into
     # a folder of files `ssdsl compile` wrote: each rank runs its rank<N>.py
     compiled: str | None = None
     # the seeded model's state written by the launching process (``ssdsl.runtime.init``);
@@ -54,12 +58,14 @@ class JobSpec:
     init_file: str | None = None
 
 
-def plan_job(spec: JobSpec, world: int) -> tuple[Any, Materialized, torch.nn.Module]:
+def plan_job(spec: JobSpec, world: int, *, model_file: Any = None
+             ) -> tuple[Any, Materialized, torch.nn.Module]:
     """Model file, materialized plan and the seeded full model (CPU), as every rank builds them.
+    ``model_file``: an already loaded ``ModelFile`` (the API's module), else ``spec.model``'s.
 
     With ``spec.compiled`` the graph is traced on the meta device, as ``ssdsl compile`` traces
     it, so that the plan is the one the files were written from."""
-    mf = load_model_file(spec.model)
+    mf = model_file if model_file is not None else load_model_file(spec.model)
     dtype = DTYPES[spec.dtype]
     model = mf.build(seed=spec.seed).to(dtype=dtype)
     if spec.compiled is not None:
@@ -143,25 +149,43 @@ def _refuse_split_backward(lowered: Lowered) -> None:
 
 def rank_main(spec: JobSpec) -> dict[str, Any] | None:
     """Train on this rank; rank 0 returns losses, final parameters and per-rank metrics."""
+    from ssdsl.runtime import checkpoint as ckpt
+    from ssdsl.runtime.progress import Phase
+    from ssdsl.runtime.train import tokens_in
+
     with sdist.distributed() as ctx:
+        report_event(Phase("planning"))
         mf, m, source = plan_with_state(spec, ctx)
+        report_event(Phase("building this rank's shards"))
         groups = create_groups(m)
         prog = _rank_program(spec, m, ctx.rank, mf, source, groups)
         del source  # this rank keeps only its shards
+        state_keys = ckpt.state_keys_of(mf, seed=spec.seed)
+        start = ckpt.resume_program(prog, spec.resume) if spec.resume else 0
         bs = spec.batch_size or mf.batch_size
-        metrics = MetricsCollector(rank=ctx.rank, samples_per_step=bs, device=ctx.device)
+        metrics = MetricsCollector(rank=ctx.rank, samples_per_step=bs, device=ctx.device,
+                                   tokens_per_step=tokens_in(mf.get_batch(start, bs)[0]))
         comm = m.accounting()["total_bytes"]
+        report_event(Phase("training"))
         losses = []
-        for step in range(spec.steps):
+        for step in range(start, spec.steps):
             metrics.begin()
-            loss = prog.step(step, spec.batch_size)
+            with autocast(spec.dtype, ctx.device):
+                loss = prog.step(step, spec.batch_size)
             report_event(metrics.end(step, loss=loss, comm_bytes=comm))
             losses.append(loss)
-        shards = sdist.gather_objects(prog.shards())
+        if spec.checkpoint:
+            report_event(Phase("saving the checkpoint"))
+            ckpt.save_program(prog, spec.checkpoint, step=spec.steps, state_keys=state_keys,
+                              model=spec.model, plan=spec.plan)
+        shards = sdist.gather_objects(ckpt.program_shards(prog))
         summaries = sdist.gather_objects(metrics.summary())
         if ctx.rank != 0:
             return None
-        return {"losses": losses, "params": assemble([s for r in shards for s in r]),
+        return {"losses": losses, "first_step": start,
+                "params": ckpt.model_state((s for r in shards for s in r[0]),
+                                           (s for r in shards for s in r[1]),
+                                           aliases=prog.graph.aliases, state_keys=state_keys),
                 "ranks": summaries, "accounting": m.accounting()}
 
 

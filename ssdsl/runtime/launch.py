@@ -187,7 +187,7 @@ _local_handler: EventHandler | None = None
 
 def set_local_event_handler(handler: EventHandler | None) -> None:
     """Where ``report_event`` sends records when this process was not started by ``launch``
-    (under torchrun, say, rank 0 can feed its own ``LiveView``)."""
+    (under torchrun, say, rank 0 can feed its own ``ssdsl.runtime.progress`` view)."""
     global _local_handler
     _local_handler = handler
 

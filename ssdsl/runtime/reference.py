@@ -97,7 +97,9 @@ class Tolerance:
 def tolerance_for(dtype: torch.dtype, *, reordered_sums: bool = False) -> Tolerance:
     """DESIGN §7: float32 1e-5 for data/tensor plans, 1e-4 where the summation order differs
     (pipelines, value splits summed in another order); float64 1e-10 (1e-9 reordered)."""
-    if dtype == torch.float64:
+    if dtype == torch.bfloat16:  # autocast: 8 bits of mantissa in every matmul
+        rtol = 2e-2
+    elif dtype == torch.float64:
         rtol = 1e-9 if reordered_sums else 1e-10
     else:
         rtol = 1e-4 if reordered_sums else 1e-5

@@ -10,7 +10,7 @@ A rank's loop, whatever the plan, looks like::
         report_event(metrics.end(step, loss=loss_value, comm_bytes=bytes_this_step))
     return metrics.summary()
 
-and the launcher shows the events with ``LiveView`` (or collects them for ``--json``).
+and the launcher shows the events with ``ssdsl.runtime.progress`` (or collects them for ``--json``).
 """
 
 from __future__ import annotations
@@ -80,6 +80,18 @@ def model_lr(model_file: ModelFile) -> float:
     return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
 
 
+def autocast(dtype: str, device: torch.device | str = "cpu") -> Any:
+    """The context a training step runs in for ``--dtype``: ``torch.autocast`` to bfloat16 for
+    ``"bfloat16"`` (float32 parameters, bfloat16 matmuls), else nothing."""
+    import contextlib
+    if dtype != "bfloat16":
+        return contextlib.nullcontext()
+    kind = torch.device(device).type
+    # No weight cache: it keeps the bfloat16 copy of a parameter for as long as the context is
+    # open, so a context around several steps would reuse copies of the weights of step 0.
+    return torch.autocast(kind, dtype=torch.bfloat16, cache_enabled=False)
+
+
 # ----------------------------------------------------------------------------- metrics
 
 
@@ -102,6 +114,7 @@ class StepMetrics:
     samples_per_s: float
     comm_bytes: int
     peak_memory_bytes: int
+    tokens_per_s: float | None = None  # when the inputs are token ids (see ``tokens_in``)
 
 
 @attrs.frozen
@@ -119,9 +132,11 @@ class RankSummary:
 class MetricsCollector:
     """Times the steps of one rank and reads its peak memory."""
 
-    def __init__(self, *, rank: int, samples_per_step: int, device: torch.device) -> None:
+    def __init__(self, *, rank: int, samples_per_step: int, device: torch.device,
+                 tokens_per_step: int | None = None) -> None:
         self.rank = rank
         self.samples_per_step = samples_per_step
+        self.tokens_per_step = tokens_per_step
         self.device = device
         self.history: list[StepMetrics] = []
         self._start: float | None = None
@@ -139,7 +154,9 @@ class MetricsCollector:
         metrics = StepMetrics(rank=self.rank, step=step, loss=loss, step_s=seconds,
                               samples_per_s=self.samples_per_step / seconds if seconds else 0.0,
                               comm_bytes=int(comm_bytes),
-                              peak_memory_bytes=peak_memory_bytes(self.device))
+                              peak_memory_bytes=peak_memory_bytes(self.device),
+                              tokens_per_s=(self.tokens_per_step / seconds
+                                            if self.tokens_per_step and seconds else None))
         self.history.append(metrics)
         return metrics
 
@@ -157,10 +174,22 @@ def summarize(history: Sequence[StepMetrics], *, rank: int, warmup: int = 1) -> 
     if not timed:
         return RankSummary(rank, 0, 0.0, 0.0, 0.0, peak_memory_bytes(torch.device("cpu")))
     median = statistics.median(m.step_s for m in timed)
-    samples = statistics.median(m.samples_per_s for m in timed)
+    # the batch over the median time, as every step's rate is the batch over its time (a median
+    # of the rates would not be the rate of the median step)
+    per_step = timed[0].samples_per_s * timed[0].step_s
+    samples = per_step / median if median else 0.0
     return RankSummary(rank=rank, steps=len(history), median_step_s=median, samples_per_s=samples,
                        comm_bytes_per_step=statistics.fmean(m.comm_bytes for m in history),
                        peak_memory_bytes=max(m.peak_memory_bytes for m in history))
+
+
+def tokens_in(inputs: Sequence[torch.Tensor]) -> int | None:
+    """Tokens in a batch whose first input holds token ids (an integer tensor of batch x seq
+    or more dims), else None: samples/s is then the only rate shown."""
+    first = inputs[0] if inputs else None
+    if first is None or first.is_floating_point() or first.is_complex() or first.dim() < 2:
+        return None
+    return int(first.numel())
 
 
 # ----------------------------------------------------------------------------- showing a run
@@ -172,56 +201,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
-
-
-class LiveView:
-    """A rich live table, one row per rank: step, loss, samples/s, communication, peak memory.
-
-    Use as a context manager and pass ``view.on_event`` to ``launch(..., on_event=...)``; events
-    other than ``StepMetrics`` are ignored.
-    """
-
-    def __init__(self, *, nproc: int, steps: int, title: str = "ssdsl run",
-                 console: Any = None) -> None:
-        from rich.console import Console
-        from rich.live import Live
-
-        self.nproc = nproc
-        self.steps = steps
-        self.title = title
-        self.latest: dict[int, StepMetrics] = {}
-        self.console = console or Console(stderr=True)
-        self._live = Live(self.render(), console=self.console, refresh_per_second=4,
-                          transient=False)
-
-    def __enter__(self) -> LiveView:
-        self._live.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._live.update(self.render())
-        self._live.__exit__(*exc)
-
-    def on_event(self, rank: int, event: Any) -> None:
-        if isinstance(event, StepMetrics):
-            self.latest[rank] = event
-            self._live.update(self.render())
-
-    def render(self) -> Any:
-        from rich.table import Table
-
-        table = Table(title=self.title, title_justify="left")
-        for name in ("rank", "step", "loss", "samples/s", "comm/step", "peak mem"):
-            table.add_column(name, justify="right")
-        for rank in range(self.nproc):
-            m = self.latest.get(rank)
-            if m is None:
-                table.add_row(str(rank), "starting", "", "", "", "")
-                continue
-            table.add_row(str(rank), f"{m.step + 1}/{self.steps}",
-                          "" if m.loss is None else f"{m.loss:.6g}", f"{m.samples_per_s:.1f}",
-                          human_bytes(m.comm_bytes), human_bytes(m.peak_memory_bytes))
-        return table
 
 
 @attrs.frozen

@@ -185,7 +185,7 @@ class _Builder:
             pieces = split_ranges(dict(part.ranges), label, size, n)
             if pieces is None:
                 start, stop = dict(part.ranges).get(label, (0, size))
-                raise _indivisible(self.graph.op(name), label, stop - start, n, span)
+                raise _indivisible(self.graph.op(name), label, stop - start, n, span, ann)
             for k, ranges in enumerate(pieces):
                 try:
                     sub = ann.partition(call, ranges)
@@ -260,11 +260,49 @@ def _refuse_moves(name: str, chosen: Sequence[Part], devices: dict, d: Assign) -
                      "`part i of`)")
 
 
-def _indivisible(op, label: str, size: int, n: int, span: Span) -> SsdslError:
+def _indivisible(op, label: str, size: int, n: int, span: Span, ann=None) -> SsdslError:
+    """The error in the user's words: the flowing name (``batch``, ``heads``) or the dim word
+    of the plan (``in``, ``out``) rather than the annotation's label (``i0``, ``n.1``), and the
+    module the operator comes from."""
     from ssdsl.ops import IndivisibleError
-    return IndivisibleError(f"dim '{label}' of operator '{op.name}' ({op.kind}) has size {size} "
-                            f"here, which does not divide into {n} parts", span,
-                            hint="choose a number of parts that divides the size")
+    word = _user_dim(ann, label)
+    where = f"operator '{op.name}' ({op.kind}{', in ' + op.module if op.module else ''})"
+    if word == "batch":
+        err = IndivisibleError(
+            f"the batch has {size} rows at {where}, which do not divide into {n} parts", span,
+            hint=f"use a batch size that splits evenly, a multiple of {n} here (--batch-size, "
+            f"or BATCH_SIZE in the model file), or a part count that divides {size}")
+    else:
+        err = IndivisibleError(f"'{word}' of {where} has size {size}, which does not divide "
+                               f"into {n} parts", span,
+                               hint=f"choose a number of parts that divides {size}")
+    err.parts = n  # type: ignore[attr-defined]  # read by merge_same_cause
+    return err
+
+
+def _user_dim(ann, label: str) -> str:
+    if ann is None:
+        return label
+    names = dict(getattr(ann, "names", {}) or {})
+    if label in names:
+        return names[label]
+    words = [w for w, lab in (getattr(ann, "words", {}) or {}).items() if lab == label]
+    return words[0] if words else label.split(".")[0]
+
+
+def merge_same_cause(errors: list[SsdslError]) -> list[SsdslError]:
+    """Statements that fail only because their part count does not divide (``--world 3`` for
+    a plan whose dims are all even): one error, at the first statement, naming the others."""
+    from ssdsl.ops import IndivisibleError
+    same = [e for e in errors if isinstance(e, IndivisibleError) and hasattr(e, "parts")]
+    if len(same) < 2 or len({e.parts for e in same}) != 1:
+        return errors
+    same.sort(key=SsdslError.sort_key)
+    first, rest = same[0], same[1:]
+    lines = ", ".join(str(e.span.line) for e in rest if e.span is not None)
+    first.hint = (f"{first.hint}; lines {lines} fail the same way, so the count of {first.parts}"
+                  " (often the number of devices, --world) is the likelier thing to change")
+    return [first] + [e for e in errors if e not in same]
 
 
 def _at(err: SsdslError, span: Span) -> SsdslError:
@@ -302,6 +340,7 @@ def apply_directives(graph: Graph, directives: Sequence, *, world: int,
             continue
         with errors.catch():
             handler(d)
+    errors.errors = merge_same_cause(errors.errors)
     errors.raise_if_any()
     result = b.result(tuple(deferred))
     if require_placement and not any(isinstance(d, Assign) for d in deferred):

@@ -109,7 +109,7 @@ def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Micro
     ranges = split_ranges(dict(part.ranges), label, size, d.count)
     if ranges is None:
         start, stop = dict(part.ranges).get(label, (0, size))
-        raise _indivisible(t.graph.op(part.op), label, stop - start, d.count, d.span)
+        raise _indivisible(t.graph.op(part.op), label, stop - start, d.count, d.span, ann)
     call = memo.get("call")
     if call is None:
         call = memo["call"] = call_of(t.graph, t.graph.op(part.op))

@@ -1,0 +1,76 @@
+"""The command line is consistent: one name per idea, help with defaults for every option, every
+option in the README, --debug and --version where a user types them.
+
+Oracle: argparse's own table of each subcommand's options, read back, and the README's text.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from ssdsl.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = str(ROOT / "examples" / "mlp.py")
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _options(p: argparse.ArgumentParser):
+    for action in p._actions:
+        if action.option_strings and not isinstance(action, (argparse._HelpAction,
+                                                             argparse._VersionAction)):
+            yield action
+
+
+def test_every_option_has_help_and_shows_its_default():
+    for name, p in _subcommands().items():
+        for action in _options(p):
+            flag = f"ssdsl {name} {action.option_strings[-1]}"
+            assert action.help, f"{flag} has no help"
+            has_default = action.default not in (None, False, [], argparse.SUPPRESS)
+            if has_default and not isinstance(action, argparse._StoreTrueAction):
+                assert "default" in action.help, f"{flag}: help does not say its default"
+
+
+def test_readme_lists_every_option():
+    readme = (ROOT / "README.md").read_text()
+    missing = [f"{name} {opt}" for name, p in _subcommands().items() for action in _options(p)
+               for opt in action.option_strings[-1:] if opt not in readme
+               and opt not in ("--debug",)]
+    assert not missing, f"README.md does not mention: {', '.join(missing)}"
+    assert "--debug" in readme and "--version" in readme
+
+
+def test_device_count_is_world_everywhere():
+    for name, p in _subcommands().items():
+        flags = {o for a in _options(p) for o in a.option_strings}
+        assert "--nproc" not in flags or "--world" in flags, name
+        if "--nproc" in flags:  # kept as an alias of --world
+            act = next(a for a in _options(p) if "--nproc" in a.option_strings)
+            assert "--world" in act.option_strings
+
+
+def test_debug_after_the_subcommand_and_version(capsys):
+    args = build_parser().parse_args(["check", "dp", "--debug"])
+    assert args.debug is True
+    assert build_parser().parse_args(["--debug", "check", "dp"]).debug is True
+    assert build_parser().parse_args(["check", "dp"]).debug is False
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("ssdsl ")
+
+
+def test_run_world_and_set_world_must_agree(capsys):
+    assert main(["run", MLP, "dp", "--nproc", "2", "--set", "world=4"]) == 2
+    err = capsys.readouterr().err
+    assert "--set world=4 disagrees with the 2 ranks" in err and "--world 4" in err
+    assert "Traceback" not in err

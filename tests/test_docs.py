@@ -1,0 +1,96 @@
+"""The docs cannot drift: every command in a ```bash block of README.md and docs/tutorial.md
+runs (from a scratch directory that sees the checkout's examples/), the output shown after it in
+a ```text block is what it prints (step and loss, MATCH), and the tutorial's plans are the files
+in examples/tutorial/.
+
+Oracle: the commands' real output, and the plan files themselves. `pip install` lines are not
+run (they change the environment); they are checked to name torch's CPU wheel index and the
+package.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", ROOT / "docs" / "tutorial.md"]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+
+
+def blocks(path: Path) -> list[tuple[str, str]]:
+    return [(lang, body) for lang, body in FENCE.findall(path.read_text())]
+
+
+def commands() -> list[tuple[str, str, str | None]]:
+    """(doc, command, the text block shown after its bash block or None)."""
+    out = []
+    for doc in DOCS:
+        bs = blocks(doc)
+        for i, (lang, body) in enumerate(bs):
+            if lang != "bash":
+                continue
+            shown = bs[i + 1][1] if i + 1 < len(bs) and bs[i + 1][0] == "text" else None
+            lines = [x.strip() for x in body.splitlines() if x.strip() and not x.startswith("#")]
+            for k, line in enumerate(lines):
+                out.append((doc.name, line, shown if k == len(lines) - 1 else None))
+    return out
+
+
+CASES = commands()
+
+
+def test_the_docs_have_commands():
+    runnable = [c for _, c, _ in CASES if not c.startswith("pip ")]
+    assert len(runnable) >= 10
+    assert any("three_d.ssp" in c for c in runnable) and any("torchrun" in c for c in runnable)
+
+
+def test_install_lines_say_how_to_get_torch():
+    readme = (ROOT / "README.md").read_text()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in readme  # CPU only
+    assert "pytorch.org/get-started" in readme  # GPU users: torch's own instructions
+    assert [c for _, c, _ in CASES if c.startswith("pip ")] == ["pip install ."]
+
+
+def test_tutorial_plans_are_the_files():
+    shown = [body for lang, body in blocks(ROOT / "docs" / "tutorial.md") if lang == "ssp"]
+    files = sorted((ROOT / "examples" / "tutorial").glob("*.ssp"))
+    assert sorted(shown) == sorted(f.read_text() for f in files)
+    assert len(files) == 5
+
+
+def _argv(command: str) -> list[str]:
+    words = shlex.split(command)
+    if words[0] == "ssdsl":
+        return [sys.executable, "-m", "ssdsl", *words[1:]]
+    if words[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    raise AssertionError(f"a docs command this test does not know how to run: {command}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc, command, shown", [c for c in CASES if not c[1].startswith("pip ")],
+                         ids=[f"{d}:{c[:60]}" for d, c, _ in CASES if not c.startswith("pip ")])
+def test_command_runs_and_prints_what_the_doc_shows(doc, command, shown, tmp_path):
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(_argv(command), cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    if shown is None:
+        return
+    out = proc.stdout.splitlines()
+    for line in shown.splitlines():
+        head = line.split("...")[0].strip()
+        if head.startswith("step "):
+            assert any(o.startswith(head) for o in out), f"{doc} shows {head!r}:\n{proc.stdout}"
+        elif head:
+            assert any(o.strip().startswith(head) for o in out), \
+                f"{doc} shows {head!r}:\n{proc.stdout}"
