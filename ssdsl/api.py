@@ -61,7 +61,7 @@ class ParallelModel:
         self._spec = spec
         self.step = 0  # steps trained (continued by load_checkpoint)
         graph = materialized.transformed.graph
-        self._shapes = [tuple(graph.tensors[n].shape) for n in graph.inputs]
+        self._shapes = [tuple(graph.tensors[n].shape) for n in graph.batch_inputs]
         # what verification before training found (set by ``parallelize``)
         self.verification: Verification | None = None
 

@@ -176,7 +176,7 @@ def _train(spec: Any, args: argparse.Namespace, *, world: int, first_step: int):
 
     import attrs
 
-    from ssdsl.runtime.init import initial_state_file
+    from ssdsl.runtime.job import launch_files
     from ssdsl.runtime.preflight import verify_before_launch
     from ssdsl.trace.model_file import load_model_file
 
@@ -210,11 +210,11 @@ def _train(spec: Any, args: argparse.Namespace, *, world: int, first_step: int):
             finally:
                 set_local_event_handler(None)
             return None if result is None else (result, progress, verification)
-        # the seeded model's state, written once here: each rank maps it and copies its regions
-        with initial_state_file(load_model_file(args.model), seed=args.seed) as init_file:
+        # the seeded model's state and the traced graph, written and checked once here: each
+        # rank plans from that graph and reads only its regions of the state
+        with launch_files(spec, world) as ready:
             progress.phase(f"starting {world} rank{'s' if world > 1 else ''}")
-            result = launch(rank_main, nproc=world,
-                            args=(attrs.evolve(spec, init_file=init_file),),
+            result = launch(rank_main, nproc=world, args=(ready,),
                             timeout_s=args.timeout, on_event=progress.on_event)[0]
         return result, progress, verification
 

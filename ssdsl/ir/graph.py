@@ -186,6 +186,16 @@ class Graph:
     def __iter__(self) -> Iterator[Op]:
         return iter(self.ops)
 
+    def __reduce__(self):
+        # Pickled (a launcher hands its traced graph to the ranks): the mapping proxies as dicts.
+        fields = {a.name: getattr(self, a.name) for a in attrs.fields(Graph)}
+        return (_graph_from_fields, (
+            {k: dict(v) if isinstance(v, MappingProxyType) else v for k, v in fields.items()},))
+
+
+def _graph_from_fields(fields: dict) -> Graph:
+    return Graph(**fields)
+
 
 def map_tensor_refs(value: Any, fn) -> Any:
     """``value`` with every ``TensorRef`` replaced by ``fn(ref)`` (inside lists and tuples too)."""

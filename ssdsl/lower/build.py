@@ -376,9 +376,11 @@ class _RankLowering:
         if is_producer and producer_value not in self.defined_in:
             raise AssertionError(f"rank {self.rank}: {producer_value} is sent before it is made")
         shapes = tuple(r.local_shape for d, r in ad.producers if d == self.rank)
-        # floats travel in the run's dtype, chosen when the program runs (a compiled program
-        # serves float32 and float64 runs alike); integers as they are
-        dtype = "float" if ad.dtype.is_floating_point else str(ad.dtype).removeprefix("torch.")
+        # floats of the traced dtype travel in the run's dtype, chosen when the program runs (a
+        # compiled program serves float32 and float64 runs alike); a tensor the model keeps in
+        # another precision (rotary tables cast to float32 in a float64 run) and integers travel
+        # as they are, so that sender and receiver agree on the bytes
+        dtype = "float" if ad.dtype == self.m.dtype else str(ad.dtype).removeprefix("torch.")
         comm = Comm(eid, mb, False, ins, outs, shapes, dtype, fwd, grad=_has_grad(ad), span=span)
         self._close_region()
         self.out.append(comm)

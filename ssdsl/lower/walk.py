@@ -120,6 +120,12 @@ class Exchange:
             raise MessageMismatch(f"rank {w.rank} receives a {list(w.shape)} tensor with tag "
                                   f"{w.what.tag} from rank {w.what.peer}, which sends "
                                   f"{list(sent.shape)}", span_of(w.ins), hint=_HINT)
+        want, got = getattr(w.payload, "dtype", None), getattr(sent.payload, "dtype", None)
+        if want is not None and got is not None and want != got:
+            # on the wire the bytes would be read as another dtype: garbage, silently
+            raise MessageMismatch(f"rank {w.rank} receives a {want} tensor with tag "
+                                  f"{w.what.tag} from rank {w.what.peer}, which sends {got}",
+                                  span_of(w.ins), hint=_HINT)
         w.result = sent.payload
         return True
 

@@ -114,6 +114,7 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     partial = {} if schedule is not None else partial_gradient_replicas(t)
     # no gradient adapter for a tensor that needs no gradient: no rank would send one
     needs_grad = grad_tensors(g)
+    traced = traced_dtype(g)
     edges: dict[tuple[str, str, int], Edge] = {}
     reads: dict[tuple[str, str, int, int], Part] = {}
     for op in g.ops:
@@ -127,7 +128,7 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
                 continue
             edges[(name, op.name, slot)] = Edge(name, op.name, slot,
                                                 _edge_adapter(t, producer[name], name, readers,
-                                                              slot, dtype, partial,
+                                                              slot, dtype, partial, traced,
                                                               backward=name in needs_grad))
     weights, scales = _weights(t, reads, dtype, partial)
     uses = {key: SourceUse(key[0], _region(t, key[0], p.sub.inputs[key[2]]), scales.get(key, 1.0))
@@ -139,9 +140,24 @@ def _region(t: Transformed, tensor: str, intervals, part: tuple[int, int] = (0, 
     return Region(t.shape(tensor), tuple(intervals), part=part)
 
 
+def _torch_dtype(name: str) -> torch.dtype | None:
+    value = getattr(torch, name.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def traced_dtype(graph) -> torch.dtype | None:
+    """The floating dtype the model was traced in: its parameters' (the most common one)."""
+    counts: dict[torch.dtype, int] = {}
+    for name in graph.params:
+        d = _torch_dtype(graph.tensors[name].dtype) if name in graph.tensors else None
+        if d is not None and d.is_floating_point:
+            counts[d] = counts.get(d, 0) + 1
+    return max(counts, key=counts.get) if counts else None
+
+
 def _edge_adapter(t: Transformed, producer_op, tensor: str, readers: list[Part], slot: int,
                   dtype: torch.dtype, partial: Mapping[str, Mapping[int, tuple[int, int]]],
-                  *, backward: bool = True) -> Adapter:
+                  traced: torch.dtype | None, *, backward: bool = True) -> Adapter:
     j = producer_op.outputs.index(tensor)
     sizes = t.label_sizes(producer_op.name)
     parts = t.parts[producer_op.name]
@@ -155,9 +171,12 @@ def _edge_adapter(t: Transformed, producer_op, tensor: str, readers: list[Part],
         # replicas that take their device's partial gradient as it is (no sum here)
         grad_producers = [(p.device, _region(t, tensor, p.sub.outputs[j],
                                              partial[producer_op.name][p.device])) for p in parts]
-    # Integer tensors (token ids, targets) cross devices as they are; floats in the run's dtype.
-    declared = getattr(torch, t.graph.tensors[tensor].dtype.removeprefix("torch."), dtype)
-    if isinstance(declared, torch.dtype) and not declared.is_floating_point:
+    # Integer tensors (token ids, targets) cross devices as they are; floats of the traced
+    # precision in the run's dtype (a graph traced in float32 serves a float64 run); a float
+    # the model keeps in another precision (rotary tables in float32) as it is.
+    declared = _torch_dtype(t.graph.tensors[tensor].dtype)
+    if declared is not None and (not declared.is_floating_point
+                                 or declared != traced):
         dtype = declared
     return plan_adapter(t.shape(tensor), dtype, producers, consumers, grad_consumers=grads,
                         grad_producers=grad_producers, backward=backward)

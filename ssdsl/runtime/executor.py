@@ -219,6 +219,8 @@ class Runner(Handler):
                     for g, s in zip(held, ins.shapes)]
         else:
             held = [self.env[v].detach() for v in ins.ins]
+        # what travels has the instruction's dtype, which the receiving ranks allocate
+        held = [h if h.dtype == dtype else h.to(dtype) for h in held]
         ident = ("comm", ins.edge, ins.mb, ins.backward)
         for step in ins.steps:
             if isinstance(step, Coll):

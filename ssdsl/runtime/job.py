@@ -8,7 +8,11 @@ Every rank derives the same plan from the same inputs, so nothing but tensors cr
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +60,9 @@ class JobSpec:
     # the seeded model's state written by the launching process (``ssdsl.runtime.init``);
     # None: the ranks make it themselves (under torchrun)
     init_file: str | None = None
+    # the launching process's traced graph, pickled (``launch_files``): the ranks plan from the
+    # very graph whose programs the launcher checked, and never trace or build the model
+    graph_file: str | None = None
 
 
 def plan_job(spec: JobSpec, world: int, *, model_file: Any = None
@@ -73,10 +80,7 @@ def plan_job(spec: JobSpec, world: int, *, model_file: Any = None
         graph = trace(mf, device="meta", batch_size=spec.batch_size)
     else:
         graph = trace(mf, device="cpu", batch_size=spec.batch_size, model=model)
-    plan = elaborate_file(spec.plan, world=world, sets=dict(spec.sets))
-    t, lowered = schedule_plan(graph, plan)
-    m = materialize(t, dtype=dtype, schedule=lowered)
-    check_programs(lower_plan(m).programs, m=m)  # what every rank will run, before it runs
+    m = plan_from_graph(spec, world, graph)
     return mf, m, model
 
 
@@ -93,11 +97,47 @@ def plan_for_ranks(spec: JobSpec, world: int) -> tuple[Any, Materialized, bool]:
     graph = trace(mf, device="meta", batch_size=spec.batch_size, model=model)
     if has_tensor_constants(graph):
         return (*plan_job(spec, world)[:2], False)
+    return mf, plan_from_graph(spec, world, on_device(graph, "cpu")), True
+
+
+def plan_from_graph(spec: JobSpec, world: int, graph: Any, *, check: bool = True
+                    ) -> Materialized:
+    """Elaborate, transform, schedule and materialize ``spec``'s plan on a traced ``graph``;
+    with ``check``, lower every rank's program and check them (what every rank will run,
+    before it runs). A rank given the launcher's checked graph plans with ``check=False``."""
     plan = elaborate_file(spec.plan, world=world, sets=dict(spec.sets))
-    t, lowered = schedule_plan(on_device(graph, "cpu"), plan)
-    m = materialize(t, dtype=dtype, schedule=lowered)
-    check_programs(lower_plan(m).programs, m=m)  # what every rank will run, before it runs
-    return mf, m, True
+    t, lowered = schedule_plan(graph, plan)
+    m = materialize(t, dtype=DTYPES[spec.dtype], schedule=lowered)
+    if check:
+        check_programs(lower_plan(m).programs, m=m)
+    return m
+
+
+@contextlib.contextmanager
+def launch_files(spec: JobSpec, world: int) -> Iterator[JobSpec]:
+    """``spec`` with the files the ranks start from, written once by the launching process
+    into a temporary folder removed on exit: the seeded model's state (``ssdsl.runtime.init``;
+    each rank reads only its regions) and the traced graph, whose every rank's program is
+    lowered and checked here, once. The ranks plan from that graph (deterministically: the
+    same graph and plan give the same programs), so what was checked is what runs."""
+    from ssdsl.runtime.init import write_state
+    mf = load_model_file(spec.model)
+    model = mf.build(seed=spec.seed)
+    with tempfile.TemporaryDirectory(prefix="ssdsl-launch-") as tmp:
+        state = write_state(model, Path(tmp) / "initial_state.pt")
+        graph = trace(mf, device="cpu", batch_size=spec.batch_size,
+                      model=model.to(dtype=DTYPES[spec.dtype]))
+        del model
+        plan_from_graph(spec, world, graph)
+        graph_path = Path(tmp) / "graph.pickle"
+        with open(graph_path, "wb") as f:
+            pickle.dump(graph, f, protocol=pickle.HIGHEST_PROTOCOL)
+        yield attrs.evolve(spec, init_file=str(state), graph_file=str(graph_path))
+
+
+def _graph_of(spec: JobSpec) -> Any:
+    with open(spec.graph_file, "rb") as f:
+        return pickle.load(f)
 
 
 def schedule_plan(graph: Any, plan: Any) -> tuple[Transformed, Lowered | None]:
@@ -197,6 +237,9 @@ def plan_with_state(spec: JobSpec, ctx: sdist.DistContext) -> tuple[Any, Materia
     if spec.compiled is not None:  # the files were written from their own plan: as before
         mf, m, model = plan_job(spec, ctx.world_size)
         return mf, m, model
+    if spec.graph_file is not None and spec.init_file is not None:  # ``launch_files``
+        m = plan_from_graph(spec, ctx.world_size, _graph_of(spec), check=False)
+        return load_model_file(spec.model), m, StateFile(spec.init_file)
     mf, m, planned_on_meta = plan_for_ranks(spec, ctx.world_size)
     if not planned_on_meta:  # tensor constants: the real model is needed (a stated limit)
         _, m, model = plan_job(spec, ctx.world_size)

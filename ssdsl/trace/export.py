@@ -60,7 +60,11 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
     # What a rank would hit, reported here at the model file's line: one step on meta (a model
     # built on meta is used as it is; otherwise a meta twin is built, which allocates nothing).
     if model is not None and _device_of(model, device).type == "meta":
-        try_training_step(model_file, model, (inputs, target))
+        # in the model's floating dtype, as the trace below gives it (``--dtype float64``)
+        dtype = _float_dtype_of(model)
+        cast = [t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                for t in (*inputs, target)]
+        try_training_step(model_file, model, (tuple(cast[:-1]), cast[-1]))
     else:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the caller's RNG kept
             twin = model_file.build(seed=seed)
