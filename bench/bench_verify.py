@@ -5,8 +5,10 @@
 For each example (GPT under Megatron tensor parallelism, Swin and a Hugging Face LLaMA under data
 parallelism): ``verify_before_launch`` with verification on (plan in float64, get_batch twice,
 random-operator scan, one simulated step of all ranks, the plain model's step) and off (plan
-only), medians of ``--repeats`` alternated runs after a warm-up; the difference is what
-verification adds. Then the job trains ``--steps`` steps on
+only), medians of ``--repeats`` alternated runs after a warm-up, each from the launcher's one plan
+(``launch_files``: state file, trace in the run's dtype, plan, programs checked); the difference
+is what verification adds (a float64 plan when the run is not float64, the simulated step and
+the plain model's step). Then the job trains ``--steps`` steps on
 ``--nproc`` gloo ranks (float32, as ``ssdsl run`` does by default), and 3 x the slowest rank's
 median step time is the yardstick. Prints JSON.
 """
@@ -30,28 +32,26 @@ CASES = (
 
 def measure(model: str, plan: str, sets: tuple, nproc: int, steps: int,
             repeats: int) -> dict:
-    import attrs
-
-    from ssdsl.runtime.init import initial_state_file
-    from ssdsl.runtime.job import JobSpec, rank_main
+    from ssdsl.runtime.job import JobSpec, launch_files, rank_main
     from ssdsl.runtime.launch import launch
     from ssdsl.runtime.preflight import verify_before_launch
-    from ssdsl.trace.model_file import load_model_file
 
     spec = JobSpec(str(ROOT / model), plan, sets, steps=steps)
-    verify_before_launch(spec, nproc, enabled=False)  # warm-up: imports, lazy torch set-up
+    with launch_files(spec, nproc):  # warm-up: imports, lazy torch set-up
+        pass
     plans, verifies = [], []
     for _ in range(repeats):  # alternated, medians: the machine is shared
         start = time.perf_counter()
-        verify_before_launch(spec, nproc, enabled=False)
+        with launch_files(spec, nproc) as planned:  # what ``ssdsl run`` does without verifying
+            verify_before_launch(spec, nproc, enabled=False, planned=planned.m)
         plans.append(time.perf_counter() - start)
         start = time.perf_counter()
-        v = verify_before_launch(spec, nproc)
+        with launch_files(spec, nproc) as planned:
+            v = verify_before_launch(spec, nproc, planned=planned.m)
         verifies.append(time.perf_counter() - start)
     plan_only, with_verify = statistics.median(plans), statistics.median(verifies)
-    with initial_state_file(load_model_file(spec.model), seed=0) as f:
-        result = launch(rank_main, nproc=nproc, args=(attrs.evolve(spec, init_file=f),),
-                        timeout_s=900)[0]
+    with launch_files(spec, nproc) as planned:
+        result = launch(rank_main, nproc=nproc, args=(planned.spec,), timeout_s=900)[0]
     step = max(r.median_step_s for r in result["ranks"])
     return {"model": model, "plan": plan, "nproc": nproc, "status": v.status, "reason": v.reason,
             "plan_only_s": round(plan_only, 3), "plan_and_verify_s": round(with_verify, 3),

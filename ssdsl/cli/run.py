@@ -168,17 +168,11 @@ def _first_step(args: argparse.Namespace) -> int:
 
 def _train(spec: Any, args: argparse.Namespace, *, world: int, first_step: int):
     """Launch (or, under torchrun, be one rank of) the job, showing progress; rank 0's result."""
-    from ssdsl.runtime.job import rank_main
-    from ssdsl.runtime.launch import launch, set_local_event_handler, under_torchrun
-    from ssdsl.runtime.progress import MetricsFile, make_progress
-
     import os
 
-    import attrs
-
-    from ssdsl.runtime.job import launch_files
-    from ssdsl.runtime.preflight import verify_before_launch
-    from ssdsl.trace.model_file import load_model_file
+    from ssdsl.runtime.job import launch_files, rank_main
+    from ssdsl.runtime.launch import launch, set_local_event_handler, under_torchrun
+    from ssdsl.runtime.progress import MetricsFile, make_progress
 
     torchrun = under_torchrun()
     rank = 0
@@ -193,16 +187,10 @@ def _train(spec: Any, args: argparse.Namespace, *, world: int, first_step: int):
     with progress:
         progress.phase("planning and verifying (trace the model, apply and check the plan, "
                        "simulate one step of all ranks)")
-        # Plan once here, exactly as every rank will: a bad model file or plan fails now, once,
-        # with its location and exit status 2, instead of in N processes after they started;
-        # and verify it against the plain model (DESIGN §7), or say that it was not. Under
-        # torchrun every rank verifies (the same, deterministic answer), so all stop together.
-        verification = verify_before_launch(spec, world, enabled=not args.no_verify)
-        if rank == 0:  # on stderr, beside errors: a fact about the plan, not progress
-            sys.stdout.flush()
-            print(verification.line(), file=sys.stderr, flush=True)
         if torchrun:
-            # each process sees only its own events; rank 0 shows them
+            # Under torchrun every rank plans and verifies (the same, deterministic answer), so
+            # all stop together; each process sees only its own events, rank 0 shows them.
+            verification = _verify(spec, world, args, rank)
             if rank == 0:
                 set_local_event_handler(progress.on_event)
             try:
@@ -210,13 +198,28 @@ def _train(spec: Any, args: argparse.Namespace, *, world: int, first_step: int):
             finally:
                 set_local_event_handler(None)
             return None if result is None else (result, progress, verification)
-        # the seeded model's state and the traced graph, written and checked once here: each
-        # rank plans from that graph and reads only its regions of the state
-        with launch_files(spec, world) as ready:
+        # Plan once here, exactly as every rank will (they plan from this traced graph, whose
+        # programs are checked here): a bad model file or plan fails now, once, with its
+        # location and exit status 2, instead of in N processes after they started; then verify
+        # it against the plain model (DESIGN §7), or say that it was not.
+        with launch_files(spec, world) as planned:
+            verification = _verify(spec, world, args, rank, planned=planned.m)
             progress.phase(f"starting {world} rank{'s' if world > 1 else ''}")
-            result = launch(rank_main, nproc=world, args=(ready,),
+            result = launch(rank_main, nproc=world, args=(planned.spec,),
                             timeout_s=args.timeout, on_event=progress.on_event)[0]
         return result, progress, verification
+
+
+def _verify(spec: Any, world: int, args: argparse.Namespace, rank: int, *,
+            planned: Any = None) -> Any:
+    """Verification before launch (``ssdsl.runtime.preflight``), its line on stderr (rank 0)."""
+    from ssdsl.runtime.preflight import verify_before_launch
+    verification = verify_before_launch(spec, world, enabled=not args.no_verify,
+                                        planned=planned)
+    if rank == 0:  # on stderr, beside errors: a fact about the plan, not progress
+        sys.stdout.flush()
+        print(verification.line(), file=sys.stderr, flush=True)
+    return verification
 
 
 def _check(args: argparse.Namespace, spec: Any, result: dict, first_step: int):

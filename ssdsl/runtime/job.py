@@ -113,13 +113,24 @@ def plan_from_graph(spec: JobSpec, world: int, graph: Any, *, check: bool = True
     return m
 
 
+@attrs.frozen(eq=False)
+class Launch:
+    """What the launching process planned once (``launch_files``): ``spec`` with the files the
+    ranks start from, and the checked plan (``m``) the ranks will rebuild from ``graph``."""
+
+    spec: JobSpec
+    graph: Any
+    m: Materialized
+
+
 @contextlib.contextmanager
-def launch_files(spec: JobSpec, world: int) -> Iterator[JobSpec]:
-    """``spec`` with the files the ranks start from, written once by the launching process
-    into a temporary folder removed on exit: the seeded model's state (``ssdsl.runtime.init``;
-    each rank reads only its regions) and the traced graph, whose every rank's program is
-    lowered and checked here, once. The ranks plan from that graph (deterministically: the
-    same graph and plan give the same programs), so what was checked is what runs."""
+def launch_files(spec: JobSpec, world: int) -> Iterator[Launch]:
+    """The job planned once by the launching process, with the files the ranks start from,
+    written into a temporary folder removed on exit: the seeded model's state
+    (``ssdsl.runtime.init``; each rank reads only its regions) and the traced graph, whose every
+    rank's program is lowered and checked here, once. The ranks plan from that graph
+    (deterministically: the same graph and plan give the same programs), so what was checked is
+    what runs, and no rank traces or builds the model."""
     from ssdsl.runtime.init import write_state
     mf = load_model_file(spec.model)
     model = mf.build(seed=spec.seed)
@@ -128,11 +139,12 @@ def launch_files(spec: JobSpec, world: int) -> Iterator[JobSpec]:
         graph = trace(mf, device="cpu", batch_size=spec.batch_size,
                       model=model.to(dtype=DTYPES[spec.dtype]))
         del model
-        plan_from_graph(spec, world, graph)
+        m = plan_from_graph(spec, world, graph)
         graph_path = Path(tmp) / "graph.pickle"
         with open(graph_path, "wb") as f:
             pickle.dump(graph, f, protocol=pickle.HIGHEST_PROTOCOL)
-        yield attrs.evolve(spec, init_file=str(state), graph_file=str(graph_path))
+        yield Launch(attrs.evolve(spec, init_file=str(state), graph_file=str(graph_path)),
+                     graph, m)
 
 
 def _graph_of(spec: JobSpec) -> Any:

@@ -80,17 +80,25 @@ class Verification:
 
 
 def verify_before_launch(spec: JobSpec, world: int, *, enabled: bool = True,
-                         available_bytes: int | None = None) -> Verification:
+                         available_bytes: int | None = None,
+                         planned: Materialized | None = None) -> Verification:
     """Plan ``spec`` for ``world`` ranks and verify it (module doc); raises the ``SsdslError``
     that stops the launch, else says what was verified. With ``enabled=False`` the job is only
-    planned (its faults still raise) and the result says verification was skipped."""
+    planned (its faults still raise) and the result says verification was skipped.
+
+    ``planned``: the job as the launcher already planned it (``ssdsl.runtime.job.launch_files``);
+    it is not planned again, and a float64 one is the one simulated."""
     start = time.perf_counter()
     if not enabled:
-        plan_job(spec, world)
+        if planned is None:
+            plan_job(spec, world)
         return Verification("skipped", "skipped by request (--no-verify)")
     mf = load_model_file(spec.model)
     check_batch_deterministic(mf, spec.batch_size)
-    m, dtype = _plan_for_verification(spec, world)
+    if planned is not None and planned.dtype == torch.float64:
+        m, dtype = planned, "float64"
+    else:
+        m, dtype = _plan_for_verification(spec, world)
     refuse_random_operators(m.transformed.graph, mf.path)
     need, have = simulation_bytes(m), available_memory() if available_bytes is None \
         else available_bytes
