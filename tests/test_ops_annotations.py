@@ -65,6 +65,8 @@ def _elementwise_samples() -> dict[str, list]:
         "aten.to.other": [([r(4, 6), r(2)], {})],
         "aten.type_as.default": [([r(4, 6), r(2)], {})],
         "aten.where.self": [([r(4, 6) > 0, r(4, 6, seed=1), r(6)], {})],
+        "aten.broadcast_tensors.default": [([[r(4, 6), r(4, 6, seed=1)]], {}),
+                                           ([[r(4, 1), r(1, 6, seed=1), r(6, seed=2)]], {})],
         "aten.where.ScalarSelf": [([r(4, 6) > 0, 1.0, r(4, 6)], {})],
         "aten.where.ScalarOther": [([r(4, 6) > 0, r(4, 6), 1.0], {})],
         "aten.masked_fill.Scalar": [([r(4, 6), r(1, 6) > 0, -1.0], {})],

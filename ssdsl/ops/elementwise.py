@@ -57,3 +57,13 @@ def elementwise(call: Call) -> Annotation:
 def scalar_tensor(call: Call) -> Annotation:
     """A 0-dim tensor from a number: nothing to split, made whole by every part."""
     return Annotation((), ((),))
+
+
+@register("aten.broadcast_tensors.default")
+def broadcast_tensors(call: Call) -> Annotation:
+    """``broadcast_tensors(a, b, ...)`` (``F.mse_loss`` of tensors traces through it): every
+    output is its input broadcast to the common shape, split like an elementwise result; an
+    input dim broadcast from size 1 is read whole by every part."""
+    common = call.out_shapes[0]
+    ins, sig = broadcast(call.in_shapes, common)
+    return Annotation(ins, tuple(sig for _ in call.out_shapes))

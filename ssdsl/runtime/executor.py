@@ -36,7 +36,7 @@ from ssdsl.runtime.groups import ProcessGroups, groups_of
 from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
-from ssdsl.trace.model_file import ModelFile
+from ssdsl.trace.model_file import ModelFile, ModelFileContract
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -392,6 +392,23 @@ class DistRunner(Runner):
         wait_sends()
 
 
+def input_rows(program: Program) -> tuple[int, int] | None:
+    """The rows (dim 0, ``start, stop``) of the global batch that ``program`` takes, None when
+    it takes none: the span of every ``TakeInput``'s rows (micro-batch box, then region)."""
+    rows: set[int] = set()
+    for ins in program.instructions:
+        if ins.kind != "input":
+            continue
+        region = ins.region
+        if ins.box is None:
+            global_rows = [i for a, b in region.intervals[0] for i in range(a, b)]
+        else:
+            box_rows = [i for a, b in ins.box.intervals[0] for i in range(a, b)]
+            global_rows = [box_rows[j] for a, b in region.intervals[0] for j in range(a, b)]
+        rows.update(global_rows)
+    return (min(rows), max(rows) + 1) if rows else None
+
+
 class RankProgram:
     """One rank's trainer: its lowered program, shards, optimizer and training step.
 
@@ -453,9 +470,38 @@ class RankProgram:
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, step: int, batch_size: int | None) -> float:
-        """One training step on the model file's batch ``step``; the loss of the whole batch."""
+        """One training step on the model file's batch ``step``; the loss of the whole batch.
+
+        With ``get_batch_shard`` in the model file this rank loads only the rows its program
+        takes (``input_rows``); the rest of the batch stays zeros it never reads. A graph with
+        step values (a loss's count over the whole batch) needs the whole batch on every rank."""
+        if self.mf.get_batch_shard_fn is not None and not self.graph.prologue:
+            return self.train_batch(self._rows_of_batch(step, batch_size))
         inputs, target = self.mf.get_batch(step, batch_size)
         return self.train_batch((*inputs, target))
+
+    def _rows_of_batch(self, step: int, batch_size: int | None) -> tuple[torch.Tensor, ...]:
+        """The global batch with only this rank's rows loaded (zeros elsewhere)."""
+        g = self.graph
+        shapes = [tuple(g.tensors[n].shape) for n in g.batch_inputs]
+        rows = input_rows(self.program)
+        if rows is None:  # this rank takes no input (a middle pipeline stage)
+            return tuple(torch.zeros(sh, dtype=getattr(torch, g.tensors[n].dtype.split(".")[-1]))
+                         for n, sh in zip(g.batch_inputs, shapes))
+        inputs, target = self.mf.get_rows(step, batch_size, *rows)
+        got = (*inputs, target)
+        if len(got) != len(shapes) or any(tuple(t.shape[1:]) != sh[1:]
+                                          for t, sh in zip(got, shapes)):
+            raise ModelFileContract(
+                f"get_batch_shard({step}, ..., {rows[0]}, {rows[1]}) returned shapes "
+                f"{[tuple(t.shape) for t in got]}; get_batch's rows {rows[0]}:{rows[1]} have "
+                f"{[(rows[1] - rows[0], *sh[1:]) for sh in shapes]}", file=self.mf.path)
+        out = []
+        for t, sh in zip(got, shapes):
+            full = torch.zeros(sh, dtype=t.dtype)
+            full[rows[0]:rows[1]] = t
+            out.append(full)
+        return tuple(out)
 
     def train_batch(self, batch: tuple[torch.Tensor, ...]) -> float:
         """The whole program on the global batch ``(*inputs, target)``, the same on every rank:

@@ -31,7 +31,7 @@ from ssdsl.errors import SsdslError
 from ssdsl.schedule.lower import Lowered
 from ssdsl.schedule.units import Pass
 from ssdsl.schedule.resolve import resolve_pipeline
-from ssdsl.trace.export import trace
+from ssdsl.trace.export import TraceError, trace
 from ssdsl.trace.model_file import load_model_file
 from ssdsl.transform import Transformed, transform
 
@@ -94,7 +94,12 @@ def plan_for_ranks(spec: JobSpec, world: int) -> tuple[Any, Materialized, bool]:
     dtype = DTYPES[spec.dtype]
     with torch.device("meta"):
         model = mf.build(seed=spec.seed).to(dtype=dtype)
-    graph = trace(mf, device="meta", batch_size=spec.batch_size, model=model)
+    try:
+        graph = trace(mf, device="meta", batch_size=spec.batch_size, model=model)
+    except TraceError:
+        # torch.export on meta sometimes trips on a constant it lifted ("fake tensor in
+        # exported program constant's list"): plan from a real trace; a real fault recurs there
+        return (*plan_job(spec, world)[:2], False)
     if has_tensor_constants(graph):
         return (*plan_job(spec, world)[:2], False)
     return mf, plan_from_graph(spec, world, on_device(graph, "cpu")), True

@@ -35,7 +35,7 @@ from ssdsl.materialize.program import Materialized
 from ssdsl.runtime.init import named_values
 from ssdsl.runtime.job import JobSpec, plan_job
 from ssdsl.runtime.reference import to_dtype
-from ssdsl.trace.model_file import ModelFile, load_model_file
+from ssdsl.trace.model_file import ModelFile, def_span, load_model_file
 
 
 class NonDeterministicBatch(SsdslError):
@@ -99,6 +99,7 @@ def verify_before_launch(spec: JobSpec, world: int, *, enabled: bool = True,
         m, dtype = planned, "float64"
     else:
         m, dtype = _plan_for_verification(spec, world)
+    check_batch_shard(mf, spec.batch_size, m)
     refuse_random_operators(m.transformed.graph, mf.path)
     need, have = simulation_bytes(m), available_memory() if available_bytes is None \
         else available_bytes
@@ -129,6 +130,30 @@ def check_batch_deterministic(mf: ModelFile, batch_size: int | None) -> None:
             "must get the same batch", file=mf.path,
             hint="draw the batch from a generator seeded by the step, e.g. "
             "torch.Generator().manual_seed(step)")
+
+
+def check_batch_shard(mf: ModelFile, batch_size: int | None, m: Materialized) -> None:
+    """``get_batch_shard`` (when the model file has one) returns, for the rows every rank will
+    ask for, exactly those rows of ``get_batch``: ``NonDeterministicBatch`` otherwise."""
+    if mf.get_batch_shard_fn is None:
+        return
+    from ssdsl.lower import lower_plan
+    from ssdsl.runtime.executor import input_rows
+    inputs, target = mf.get_batch(0, batch_size)
+    whole = (*inputs, target)
+    asked = sorted({r for p in lower_plan(m).programs for r in [input_rows(p)] if r is not None})
+    for start, stop in asked:
+        got_inputs, got_target = mf.get_rows(0, batch_size, start, stop)
+        got = (*got_inputs, got_target)
+        if len(got) != len(whole) or any(
+                a.shape != b[start:stop].shape or not torch.equal(a, b[start:stop])
+                for a, b in zip(got, whole)):
+            raise NonDeterministicBatch(
+                f"get_batch_shard(0, batch_size, {start}, {stop}) differs from rows "
+                f"{start}:{stop} of get_batch(0, batch_size): a rank would train on other data "
+                "than the plain model", def_span(mf.path, mf.get_batch_shard_fn), file=mf.path,
+                hint="return exactly rows start:stop of what get_batch returns for the step "
+                "(or remove get_batch_shard; every rank then calls get_batch)")
 
 
 def random_operators(graph: Graph) -> list[str]:

@@ -8,6 +8,9 @@ A model file is ordinary PyTorch code plus a few named functions::
     def loss(output, target) -> torch.Tensor: ...        # optional; default: cross-entropy over the
                                                           # last dim of output (token/class logits)
     def make_optimizer(params) -> torch.optim.Optimizer   # optional; default: SGD(lr=0.01)
+    def get_batch_shard(step, batch_size, start, stop):   # optional; rows start:stop of
+        ...                                               # get_batch(step, batch_size), so a
+                                                          # rank loads only the rows it uses
     BATCH_SIZE = 8                                        # optional; default batch size (default 8)
     INPUT_DIMS = (("batch", "seq"),)                      # optional; names of the flowing dims of
                                                           # each input tensor (default: dim 0 "batch")
@@ -120,6 +123,24 @@ class ModelFile:
     batch_size: int
     input_dims: tuple[tuple[str, ...], ...] | None
     has_optimizer: bool
+    get_batch_shard_fn: Callable[[int, int, int, int], Any] | None = None
+
+    def get_rows(self, step: int, batch_size: int | None, start: int, stop: int
+                 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Rows ``start:stop`` (dim 0) of batch ``step``: from ``get_batch_shard`` when the model
+        file defines it (only those rows are loaded), else sliced out of ``get_batch``."""
+        bs = self.batch_size if batch_size is None else batch_size
+        if self.get_batch_shard_fn is None:
+            inputs, target = self.get_batch(step, bs)
+            return tuple(t[start:stop] for t in inputs), target[start:stop]
+        call = f"get_batch_shard({step}, {bs}, {start}, {stop})"
+        try:
+            result = self.get_batch_shard_fn(step, bs, start, stop)
+        except Exception as exc:
+            raise ModelFileRaised(f"{call} raised {_describe(exc)}", locate_in(self.path, exc),
+                                  file=self.path) from exc
+        inputs, target = self._checked(result, call, stop - start, self.get_batch_shard_fn)
+        return inputs, target
 
     def get_batch(self, step: int, batch_size: int | None = None
                   ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -130,27 +151,34 @@ class ModelFile:
         except Exception as exc:
             raise ModelFileRaised(f"get_batch({step}, {bs}) raised {_describe(exc)}",
                                   locate_in(self.path, exc), file=self.path) from exc
-        where = def_span(self.path, self.get_batch_fn)
+        return self._checked(result, f"get_batch({step}, {bs})", bs, self.get_batch_fn)
+
+    def _checked(self, result: Any, call: str, rows: int, fn: Callable
+                 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """``result`` of ``call`` checked against the contract: ``(inputs, target)``, every
+        tensor with ``rows`` rows (dim 0)."""
+        where = def_span(self.path, fn)
+        name = call.split("(")[0]
         if not (isinstance(result, (tuple, list)) and len(result) == 2):
-            raise ModelFileContract("get_batch(step, batch_size) must return a pair (inputs, "
-                                    f"target); it returned {_kind(result)}", where, file=self.path)
+            raise ModelFileContract(f"{name} must return a pair (inputs, target); it returned "
+                                    f"{_kind(result)}", where, file=self.path)
         inputs, target = result
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else \
             tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-            raise ModelFileContract("get_batch: inputs must be a Tensor or a tuple of Tensors; "
+            raise ModelFileContract(f"{name}: inputs must be a Tensor or a tuple of Tensors; "
                                     f"got {_kind(result[0])}", where, file=self.path)
         if not isinstance(target, torch.Tensor):
-            raise ModelFileContract(f"get_batch: target must be a Tensor; got {_kind(target)}",
+            raise ModelFileContract(f"{name}: target must be a Tensor; got {_kind(target)}",
                                     where, file=self.path)
         if any(t.dim() == 0 for t in (*inputs, target)):
-            raise ModelFileContract("get_batch: every input and the target need a batch dim "
+            raise ModelFileContract(f"{name}: every input and the target need a batch dim "
                                     "(dim 0); got a 0-dim tensor", where, file=self.path)
-        if any(t.shape[0] != bs for t in (*inputs, target)):
+        if any(t.shape[0] != rows for t in (*inputs, target)):
             shapes = ", ".join(str(tuple(t.shape)) for t in (*inputs, target))
-            raise ModelFileContract(f"get_batch({step}, {bs}): dim 0 of every input and of the "
-                                    f"target must be the batch size {bs}; shapes: {shapes}",
-                                    where, file=self.path)
+            what = "the batch size" if name == "get_batch" else "the number of rows asked for"
+            raise ModelFileContract(f"{call}: dim 0 of every input and of the target must be "
+                                    f"{what} {rows}; shapes: {shapes}", where, file=self.path)
         return inputs, target
 
     def build(self, *, seed: int = 0) -> torch.nn.Module:
@@ -244,7 +272,7 @@ def _check(module: Any, path: str) -> ModelFile:
                              f"{', '.join(missing)}", file=path,
                              hint="a model file defines build_model() -> nn.Module and "
                              "get_batch(step, batch_size) -> (inputs, target); see the README")
-    for opt in ("loss", "make_optimizer"):
+    for opt in ("loss", "make_optimizer", "get_batch_shard"):
         if hasattr(module, opt) and not callable(getattr(module, opt)):
             raise ModelFileContract(f"'{opt}' must be a function", file=path)
     batch_size = getattr(module, "BATCH_SIZE", 8)
@@ -260,6 +288,7 @@ def _check(module: Any, path: str) -> ModelFile:
         batch_size=batch_size,
         input_dims=_input_dims(getattr(module, "INPUT_DIMS", None), path),
         has_optimizer=hasattr(module, "make_optimizer"),
+        get_batch_shard_fn=getattr(module, "get_batch_shard", None),
     )
 
 
