@@ -39,15 +39,26 @@ def commands() -> list[tuple[str, str, str | None]]:
             shown = bs[i + 1][1] if i + 1 < len(bs) and bs[i + 1][0] == "text" else None
             lines = [x.strip() for x in body.splitlines() if x.strip() and not x.startswith("#")]
             for k, line in enumerate(lines):
-                out.append((doc.name, line, shown if k == len(lines) - 1 else None))
+                # a chain (`pip install . && ssdsl run ...`) is its commands, in order
+                parts = [p.strip() for p in line.split("&&")]
+                for j, part in enumerate(parts):
+                    last = k == len(lines) - 1 and j == len(parts) - 1
+                    out.append((doc.name, part, shown if last else None))
     return out
 
 
+def _runnable(command: str) -> bool:
+    """Not run here: installs (they change the environment) and the test command itself."""
+    return not command.startswith("pip ") and command != TEST_COMMAND
+
+
 CASES = commands()
+# the README's test command is the one CI runs (the last line of .ci/run)
+TEST_COMMAND = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
 
 
 def test_the_docs_have_commands():
-    runnable = [c for _, c, _ in CASES if not c.startswith("pip ")]
+    runnable = [c for _, c, _ in CASES if _runnable(c)]
     assert len(runnable) >= 10
     assert any("three_d.ssp" in c for c in runnable) and any("torchrun" in c for c in runnable)
 
@@ -56,7 +67,17 @@ def test_install_lines_say_how_to_get_torch():
     readme = (ROOT / "README.md").read_text()
     assert "--index-url https://download.pytorch.org/whl/cpu" in readme  # CPU only
     assert "pytorch.org/get-started" in readme  # GPU users: torch's own instructions
-    assert [c for _, c, _ in CASES if c.startswith("pip ")] == ["pip install ."]
+    assert [c for _, c, _ in CASES if c.startswith("pip ")] == ["pip install .",
+                                                                 "pip install '.[test]'"]
+
+
+def test_the_quick_start_is_two_commands_and_the_second_is_ci():
+    """One installs and runs the main job on a bundled example; one installs what the tests need
+    and runs them, with exactly CI's test command."""
+    first, second = [body.strip() for lang, body in blocks(ROOT / "README.md")
+                     if lang == "bash"][:2]
+    assert first.startswith("pip install . && ssdsl run examples/") and "\n" not in first
+    assert second == f"pip install '.[test]' && {TEST_COMMAND}"
 
 
 def test_tutorial_plans_are_the_files():
@@ -76,8 +97,8 @@ def _argv(command: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("doc, command, shown", [c for c in CASES if not c[1].startswith("pip ")],
-                         ids=[f"{d}:{c[:60]}" for d, c, _ in CASES if not c.startswith("pip ")])
+@pytest.mark.parametrize("doc, command, shown", [c for c in CASES if _runnable(c[1])],
+                         ids=[f"{d}:{c[:60]}" for d, c, _ in CASES if _runnable(c)])
 def test_command_runs_and_prints_what_the_doc_shows(doc, command, shown, tmp_path):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
