@@ -72,6 +72,27 @@ def test_a_dropped_all_reduce_is_located_at_its_consumer(monkeypatch):
     assert info.value.span == span and span is not None
 
 
+def test_a_fault_inside_a_pipeline_is_located_with_its_micro_batch(monkeypatch):
+    """The locator reads the simulated programs' own values, so a plan with stages and
+    micro-batches is located like any other (the oracle: the plain model's forward)."""
+    broken: list = []
+
+    def drop_all_reduce(m):
+        key, edge = next((k, e) for k, e in m.edges.items() if e.adapter.kinds == ("all_reduce",))
+        broken.append((key, m.transformed.parts[key[1]][0].span))
+        wrong = attrs.evolve(edge, adapter=attrs.evolve(edge.adapter, steps=()))
+        return attrs.evolve(m, edges={**m.edges, key: wrong})
+
+    _inject(monkeypatch, drop_all_reduce)
+    with pytest.raises(TrainsDifferently) as info:
+        verify_before_launch(JobSpec(GPT, "dp_tp_1f1b", (("dp", "1"), ("tp", "2"), ("pp", "2"),
+                                                         ("microbatches", "2"))), 4)
+    (tensor, consumer, _), span = broken[0]
+    assert f"operator '{consumer}'" in info.value.message
+    assert "micro-batch 0" in info.value.message
+    assert info.value.span == span and span is not None
+
+
 def test_a_dropped_gradient_reduction_names_the_weight(monkeypatch):
     _inject(monkeypatch, lambda m: attrs.evolve(m, reducer=attrs.evolve(m.reducer, buckets=())))
     with pytest.raises(TrainsDifferently) as info:

@@ -285,9 +285,7 @@ def _difference(m: Materialized, mf: ModelFile, verdict: Any, *, seed: int,
             span, hint="the plan (or ssdsl) computes something else than the model here; "
             "--no-verify would start it anyway")
     span = _param_span(m, verdict.problems)
-    walked = m.schedule is None and m.transformed.microbatches == 1
-    why = "the forward values agree; the gradients part" if walked else \
-        "the operator where values part is located for plans without stages and micro-batches"
+    why = "the forward values agree; the gradients part"
     return TrainsDifferently(
         f"one simulated training step differs from the plain model ({why}):\n  {problems}", span,
         hint="the plan (or ssdsl) computes something else than the model here; --no-verify "
@@ -296,73 +294,96 @@ def _difference(m: Materialized, mf: ModelFile, verdict: Any, *, seed: int,
 
 def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int | None
                      ) -> tuple[str, Any] | None:
-    """The first operator (graph order) whose output on some device differs from the plain
-    model's values of its region, with the plan statement that made that part; None when every
-    forward value agrees (or the plan has micro-batches or stages, which this walk skips)."""
-    from ssdsl.runtime.adapters import simulate_adapter
+    """The first operator (graph order, then micro-batch) whose output on some rank differs
+    from the plain model's values of its region, with the plan statement behind that call; None
+    when every forward value agrees.
+
+    It reads the values of the simulated step itself: every rank's lowered program walked by a
+    ``SimRunner`` that records each call's outputs (the walk that verification and the ranks
+    make), so pipelines, micro-batches and recompute are located like any plan. A partial sum
+    (a part holding a share of a reduced value) is not compared: its consumers' inputs show
+    whether the sum is right."""
+    from ssdsl.lower import lower_plan, run_all, walk
+    from ssdsl.lower.walk import Exchange
+    from ssdsl.runtime.comm import combine
+    from ssdsl.runtime.executor import init_state
+    from ssdsl.runtime.simulate import SimRunner
 
     t, g = m.transformed, m.transformed.graph
-    if m.schedule is not None or t.microbatches > 1:
-        return None
     model = mf.build(seed=seed).to(m.dtype)
-    values = named_values(model, g)
     inputs, target = mf.get_batch(0, batch_size)
-    ref: dict[str, torch.Tensor] = dict(zip(g.inputs, with_step_values(
-        g, to_dtype((*inputs, target), m.dtype))))
-    ref.update(values)
-    env: dict[int, dict[str, torch.Tensor]] = {}
+    batch = with_step_values(g, to_dtype((*inputs, target), m.dtype))
+    ref = _plain_values(g, model, batch)
+    records: list[tuple[int, int, Any, tuple[torch.Tensor, ...]]] = []
+    order = {op.name: i for i, op in enumerate(g.ops)}
+
+    class Recorder(SimRunner):
+        mb = 0
+
+        def on_begin(self, ins) -> None:
+            tail = ins.unit.rsplit("F", 1)
+            self.mb = int(tail[1]) if len(tail) == 2 and tail[1].isdigit() else 0
+
+        def on_call(self, ins) -> None:
+            super().on_call(ins)
+            if ins.op in order:
+                records.append((order[ins.op], self.mb, ins,
+                                tuple(self.env[o].detach() for o in ins.outs)))
+
+    exchange = Exchange(combine)
+    programs = lower_plan(m).programs
+    runners = {}
+    for p in programs:
+        runners[p.rank] = Recorder(p.rank, init_state(m, p.rank, model), dtype=m.dtype,
+                                   exchange=exchange)
+        runners[p.rank].start(batch)
+    run_all({p.rank: walk(p, runners[p.rank]) for p in programs}, exchange)
     tol = 1e-9 if m.dtype == torch.float64 else 1e-4
+    for _, mb, ins, outs in sorted(records, key=lambda r: (r[0], r[1])):
+        op = g.op(ins.op)
+        part = next((p for p in t.parts[op.name] if tuple(p.index) == tuple(ins.part)), None)
+        if part is None or part.value_part(t.label_sizes(op.name))[1] != 1:
+            continue
+        for x, got, intervals in zip(op.outputs, outs, part.sub.outputs):
+            if intervals is None or not got.is_floating_point() or x not in ref:
+                continue
+            want = _global_slice(t, x, mb, intervals, ref[x])
+            scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+            if got.shape != want.shape or float((got - want).abs().max()) > tol * scale:
+                mb_text = f", micro-batch {mb}" if t.microbatches > 1 else ""
+                return (f"the values first part at operator '{op.name}' ({op.kind}, in "
+                        f"'{op.module or '<top>'}'), tensor '{x}', part {part.index} on device "
+                        f"{part.device}{mb_text}", ins.span or part.span or part.assigned_at)
+    return None
+
+
+def _plain_values(g: Graph, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]
+                  ) -> dict[str, torch.Tensor]:
+    """Every tensor of the plain model's forward on the whole batch (the oracle)."""
+    ref: dict[str, torch.Tensor] = dict(zip(g.inputs, batch))
+    ref.update((k, v.detach()) for k, v in named_values(model, g).items())
+    lookup = lambda r: ref[r.name]  # noqa: E731
     with torch.no_grad():
         for op in g.ops:
-            lookup = lambda r: ref[r.name]  # noqa: E731
             out = call_target(op.target, map_tensor_refs(op.args, lookup),
                               {k: map_tensor_refs(v, lookup) for k, v in op.kwargs})
             ref.update(zip(op.outputs, tuple(out) if op.returns == "list" else (out,)))
-            found = _run_parts(m, op, ref, env, tol, simulate_adapter)
-            if found is not None:
-                return found
-    return None
+    return ref
 
 
-def _run_parts(m: Materialized, op, ref, env, tol: float, simulate_adapter) -> tuple | None:
-    t = m.transformed
-    sizes = t.label_sizes(op.name)
-    for part in t.parts[op.name]:
-        local: list[Any] = [None] * len(op.inputs)
-        for slot, name in enumerate(op.inputs):
-            if part.sub.inputs[slot] is None:
-                continue
-            edge = m.edges.get((name, op.name, slot))
-            if edge is None:
-                local[slot] = m.sources[(name, op.name, slot, part.device)].region.slice_of(
-                    ref[name])
-                continue
-            ad = edge.adapter
-            state: dict[int, list[torch.Tensor]] = {}
-            for d, _ in ad.producers:
-                state.setdefault(d, []).append(env[d][name])
-            got = simulate_adapter(ad, state).get(part.device)
-            local[slot] = got[0] if isinstance(got, list) else got
-        args, kwargs = part.sub.local.bind(local)
-        res = call_target(part.sub.local.target, args, kwargs)
-        outs = tuple(res) if op.returns == "list" else (res,)
-        if part.sub.local.scale != 1.0:
-            outs = tuple(o * part.sub.local.scale for o in outs)
-        env.setdefault(part.device, {}).update(zip(op.outputs, outs))
-        k, v = part.value_part(sizes)
-        if v != 1:
-            continue  # a partial sum: its consumers' inputs show whether the sum is right
-        for x, got, intervals in zip(op.outputs, outs, part.sub.outputs):
-            if intervals is None or not got.is_floating_point():
-                continue
-            want = Region(t.shape(x), tuple(intervals)).slice_of(ref[x])
-            scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
-            if got.shape != want.shape or float((got - want).abs().max()) > tol * scale:
-                span = part.span or part.assigned_at
-                return (f"the values first part at operator '{op.name}' ({op.kind}, in "
-                        f"'{op.module or '<top>'}'), tensor '{x}', part {part.index} on device "
-                        f"{part.device}", span)
-    return None
+def _global_slice(t: Any, x: str, mb: int, intervals: Any, whole: torch.Tensor) -> torch.Tensor:
+    """The values of a part's ``intervals`` (micro-batch-local coordinates when the plan has
+    micro-batches) of tensor ``x`` in micro-batch ``mb``, cut out of the whole batch's."""
+    box = t.boxes[mb].get(x) if t.microbatches > 1 and t.boxes else None
+    out = whole
+    for d, ivs in enumerate(intervals):
+        local = [i for a, b in ivs for i in range(a, b)]
+        if box is not None:
+            positions = [i for a, b in box[d] for i in range(a, b)]
+            local = [positions[i] for i in local]
+        if local != list(range(whole.shape[d])):
+            out = out.index_select(d, torch.tensor(local, dtype=torch.long))
+    return out
 
 
 def _param_span(m: Materialized, problems) -> Any:

@@ -54,7 +54,8 @@ def split_microbatches(t: Transformed, d: Microbatch) -> Transformed:
     inputs = {name: tuple(Region(t.graph.tensors[name].shape, bx[name]) for bx in boxes)
               for name in t.graph.inputs if name in boxes[0]}
     return attrs.evolve(t, parts={op: tuple(ps) for op, ps in local[0].items()},
-                        microbatches=d.count, shapes=shapes, input_boxes=inputs)
+                        microbatches=d.count, shapes=shapes, input_boxes=inputs,
+                        boxes=tuple({n: bx[n] for n in shapes if n in bx} for bx in boxes))
 
 
 def _split(t: Transformed, d: Microbatch) -> list[dict[str, list[Part]]]:

@@ -87,6 +87,10 @@ class Transformed:
     shapes: Mapping[str, tuple[int, ...]] = attrs.field(converter=MappingProxyType, factory=dict)
     input_boxes: Mapping[str, tuple[Any, ...]] = attrs.field(converter=MappingProxyType,
                                                              factory=dict)
+    # ``boxes[k][name]``: per dim, the intervals of tensor ``name`` (global coordinates) that
+    # micro-batch k covers, for every tensor the batch split narrows (verification maps a
+    # micro-batch's values back onto the whole batch's with it)
+    boxes: tuple[Mapping[str, Any], ...] = ()
     # The operators ``recompute`` statements select, each with the statement's span (set by
     # ``ssdsl.schedule.resolve``, which resolves stages and refuses a selection of nothing).
     recompute: Mapping[str, Any] = attrs.field(converter=MappingProxyType, factory=dict)
