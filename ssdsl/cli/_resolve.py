@@ -22,8 +22,9 @@ def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False,
     """Trace ``model``, apply ``plan``, derive its communication, print the result.
 
     With ``verify``, the model is also built for real and traced on the CPU, every adapter is
-    run on random data, and (for plans without stages or micro-batches) one whole training step
-    of all ranks is simulated in one process and compared with the plain model.
+    run on random data, and one whole training step of all ranks (their lowered programs,
+    pipelines and micro-batches included) is simulated in one process and compared with the
+    plain model.
     Every rank's program is lowered and checked (``ssdsl.check.check_programs``); with
     ``program``, that rank's program is printed in its text form instead of the tables.
     Returns the exit status: 1 when verification finds a fault.
