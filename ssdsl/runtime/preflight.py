@@ -301,8 +301,8 @@ def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: i
     It reads the values of the simulated step itself: every rank's lowered program walked by a
     ``SimRunner`` that records each call's outputs (the walk that verification and the ranks
     make), so pipelines, micro-batches and recompute are located like any plan. A partial sum
-    (a part holding a share of a reduced value) is not compared: its consumers' inputs show
-    whether the sum is right."""
+    (a part holding a share of a reduced value) is compared through the sum of its value parts:
+    a wrong share is blamed on the operator that computed it, a wrong adapter on its consumer."""
     from ssdsl.lower import lower_plan, run_all, walk
     from ssdsl.lower.walk import Exchange
     from ssdsl.runtime.comm import combine
@@ -339,22 +339,53 @@ def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: i
         runners[p.rank].start(batch)
     run_all({p.rank: walk(p, runners[p.rank]) for p in programs}, exchange)
     tol = 1e-9 if m.dtype == torch.float64 else 1e-4
+    sums = _value_part_sums(t, g, records)
     for _, mb, ins, outs in sorted(records, key=lambda r: (r[0], r[1])):
         op = g.op(ins.op)
         part = next((p for p in t.parts[op.name] if tuple(p.index) == tuple(ins.part)), None)
-        if part is None or part.value_part(t.label_sizes(op.name))[1] != 1:
+        if part is None:
             continue
-        for x, got, intervals in zip(op.outputs, outs, part.sub.outputs):
+        partial = part.value_part(t.label_sizes(op.name))[1] != 1
+        for i, (x, got, intervals) in enumerate(zip(op.outputs, outs, part.sub.outputs)):
             if intervals is None or not got.is_floating_point() or x not in ref:
                 continue
+            if partial:  # a share of a reduced value: its parts' sum is what must agree
+                got = sums.get((op.name, mb, i, repr(intervals)))
+                if got is None:
+                    continue
             want = _global_slice(t, x, mb, intervals, ref[x])
             scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
             if got.shape != want.shape or float((got - want).abs().max()) > tol * scale:
                 mb_text = f", micro-batch {mb}" if t.microbatches > 1 else ""
+                what = "the sum of its partial parts" if partial else f"part {part.index}"
                 return (f"the values first part at operator '{op.name}' ({op.kind}, in "
-                        f"'{op.module or '<top>'}'), tensor '{x}', part {part.index} on device "
+                        f"'{op.module or '<top>'}'), tensor '{x}', {what} on device "
                         f"{part.device}{mb_text}", ins.span or part.span or part.assigned_at)
     return None
+
+
+def _value_part_sums(t: Any, g: Graph, records) -> dict[tuple, torch.Tensor]:
+    """For every output region of an operator split into value parts (partial sums), the sum
+    of its parts' recorded values, keyed by (operator, micro-batch, output, region); a region
+    whose parts were not all recorded (replicas of a part count once) is left out."""
+    groups: dict[tuple, dict[int, torch.Tensor]] = {}
+    wanted: dict[tuple, int] = {}
+    for _, mb, ins, outs in records:
+        op = g.op(ins.op)
+        part = next((p for p in t.parts[op.name] if tuple(p.index) == tuple(ins.part)), None)
+        if part is None:
+            continue
+        k, v = part.value_part(t.label_sizes(op.name))
+        if v == 1:
+            continue
+        for i, (got, intervals) in enumerate(zip(outs, part.sub.outputs)):
+            if intervals is None or not got.is_floating_point():
+                continue
+            key = (op.name, mb, i, repr(intervals))
+            groups.setdefault(key, {}).setdefault(k, got)
+            wanted[key] = v
+    return {key: sum(parts.values()) for key, parts in groups.items()
+            if len(parts) == wanted[key]}
 
 
 def _plain_values(g: Graph, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]
