@@ -53,6 +53,7 @@ def _statement(err: TrainsDifferently) -> str:
     return source_text(err.span.file).splitlines()[err.span.line - 1]
 
 
+@pytest.mark.slow
 def test_the_rules_hold_so_the_same_plans_verify(tmp_path):
     """Without the faults, the same plans verify: the stops below are the faults' doing."""
     plan = tmp_path / "tied_split.ssp"
@@ -71,6 +72,7 @@ def test_a_bias_added_by_every_part_is_stopped(monkeypatch):
     assert "{attn_out} along in" in _statement(err)
 
 
+@pytest.mark.slow
 def test_a_tied_weight_split_one_way_and_used_another_is_stopped(monkeypatch, tmp_path):
     import ssdsl.trace.export as export
     monkeypatch.setattr(export, "share_parameters", lambda ops, tensors, params, aliases: ops)
