@@ -21,7 +21,7 @@ from ssdsl.check import (BadStepTail, BadUnitStructure, CollectiveMismatch, Mess
                          RecomputeCommunicates, UndefinedValue, UnmatchedSend, check_programs)
 from ssdsl.elaborate import elaborate_file
 from ssdsl.lower import Program, lower_plan, parse_program, program_text
-from ssdsl.lower.instr import Coll, Comm, P2P, RecomputeBegin, RecomputeEnd
+from ssdsl.lower.instr import Coll, Comm, LossSum, P2P, RecomputeBegin, RecomputeEnd
 from ssdsl.materialize.program import materialize
 from ssdsl.runtime.job import schedule_plan
 from ssdsl.trace.export import trace
@@ -229,6 +229,23 @@ def drop_loss_sum(m, progs):
     return _with(progs, 0, [x for x in p.instructions if x.kind != "loss_sum"])
 
 
+def loss_carried_by_one_rank_only(m, progs):
+    """Rank 0 sums its loss on its own while rank 1 still carries it in the bucket: both are
+    well formed alone, but the two ranks' bucket all-reduces no longer agree."""
+    p = progs[0]
+    i = _find(p, lambda x: x.kind == "reduce" and x.loss)
+    solo = LossSum(p.instructions[i].group, span=p.instructions[i].span)
+    return _with(progs, 0, (*p.instructions[:i], attrs.evolve(p.instructions[i], loss=False),
+                            solo, *p.instructions[i + 1:]))
+
+
+def loss_summed_twice(m, progs):
+    p = progs[0]
+    i = _find(p, lambda x: x.kind == "reduce" and x.loss)
+    extra = LossSum(p.instructions[i].group, span=p.instructions[i].span)
+    return _with(progs, 0, (*p.instructions[:i + 1], extra, *p.instructions[i + 1:]))
+
+
 def free_too_early(m, progs):
     p = progs[0]
     i = _find(p, lambda x: x.kind == "free")
@@ -257,6 +274,9 @@ MUTATIONS = {
     "drop a gradient bucket": ("dp", drop_reduce_bucket, BadStepTail),
     "drop the loss sum": ("tp", drop_loss_sum, BadStepTail),
     "free before backward": ("tp", free_too_early, UndefinedValue),
+    "carry the loss in the bucket on one rank only": ("dp", loss_carried_by_one_rank_only,
+                                                      (CollectiveMismatch, ProgramDeadlock)),
+    "sum the loss twice": ("dp", loss_summed_twice, BadStepTail),
 }
 
 

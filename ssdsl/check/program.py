@@ -147,8 +147,11 @@ def _structure(p: Program, m: Any) -> None:
     if steps != 1 or last is None or last.kind != "step":
         raise BadStepTail(f"rank {p.rank}: the step must end with exactly one optimizer step "
                           f"(found {steps})", _near(p, len(p.instructions) - 1))
-    if not any(ins.kind == "loss_sum" for ins in p.instructions):
-        raise BadStepTail(f"rank {p.rank}: no loss sum", _near(p, len(p.instructions) - 1))
+    sums = sum(ins.kind == "loss_sum" or (ins.kind == "reduce" and ins.loss)
+               for ins in p.instructions)
+    if sums != 1:
+        raise BadStepTail(f"rank {p.rank}: the step's loss must be summed exactly once "
+                          f"(found {sums})", _near(p, len(p.instructions) - 1))
     if m is not None:
         _order(p, m, units)
         _buckets(p, m)
@@ -215,7 +218,8 @@ class _Abstract(Handler):
         if k == "comm":
             return self._comm(ins)
         if k == "reduce":
-            return self._meet(Coll("all_reduce", ins.group), ins, ("reduce", ins.bucket))
+            return self._meet(Coll("all_reduce", ins.group), ins,
+                              ("reduce", ins.bucket, ins.loss))
         if k == "loss_sum":
             return self._meet(Coll("all_reduce", ins.group), ins, ("loss",))
         return None

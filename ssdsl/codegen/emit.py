@@ -181,7 +181,7 @@ class _Emitter(Handler):
 
     def on_reduce(self, ins) -> None:
         self._hand(ins, f"all_reduce {len(ins.entries)} weight gradients over "
-                   f"{ins.group}")
+                   f"{ins.group}" + (", and the step's loss" if ins.loss else ""))
 
     def on_loss_sum(self, ins) -> None:
         self._hand(ins, "the step's loss: all_reduce over every rank")

@@ -14,7 +14,8 @@ runs ``F(0, k) B(0, k)`` for every micro-batch) are written out instruction by i
   communication has a fixed order, written in its program.
 - ``recompute`` selections become ``RecomputeBegin``/``RecomputeEnd`` around each run of selected
   calls inside one segment: a communication point ends a run, so recompute never communicates.
-- after the units: ``WaitSends``, the weight-gradient buckets this rank is in, ``LossSum``, and
+- after the units: ``WaitSends``, the weight-gradient buckets this rank is in, ``LossSum`` (unless
+  the step's loss rides in the last bucket of all ranks), and
   ``OptimizerStep``.
 
 Message tags are unique per (edge, micro-batch, direction, message), so messages in flight at
@@ -224,11 +225,17 @@ class _RankLowering:
             self.out.append(End(unit, span=span))
         tail = self._anchor()
         self.out.append(WaitSends(span=tail))
+        everyone = tuple(range(self.t.world))
+        # the step's loss rides in the last bucket that every rank reduces, if there is one
+        carrier = max((i for i, b in enumerate(self.m.reducer.buckets)
+                       if tuple(b.devices) == everyone), default=None)
         for i, b in enumerate(self.m.reducer.buckets):
             if self.rank in b.devices:
                 self.out.append(ReduceBucket(i, tuple(b.devices), tuple(b.entries),
-                                             span=self._weight_span(b.entries)))
-        self.out.append(LossSum(tuple(range(self.t.world)), span=tail))
+                                             span=self._weight_span(b.entries),
+                                             loss=i == carrier))
+        if carrier is None:
+            self.out.append(LossSum(everyone, span=tail))
         self.out.append(OptimizerStep(span=tail))
         return Program(self.rank, self.t.world, tuple(_fill_recompute(self.out)))
 

@@ -254,13 +254,17 @@ class WaitSends:
 
 @attrs.frozen
 class ReduceBucket:
-    """All-reduce over ``group`` the gradients of ``entries`` (weight tensor, region), flattened."""
+    """All-reduce over ``group`` the gradients of ``entries`` (weight tensor, region), flattened.
+
+    With ``loss``, the loss parts this rank counts ride in the same all-reduce (one element
+    after the gradients): the step's loss, without a collective of its own (``LossSum``)."""
 
     kind: ClassVar[str] = "reduce"
     bucket: int
     group: tuple[int, ...]
     entries: tuple[tuple[str, Region], ...]
     span: Span | None = _span()
+    loss: bool = False
 
 
 @attrs.frozen

@@ -339,20 +339,28 @@ class Runner(Handler):
 
     def on_reduce(self, ins) -> Iterator[Wait]:
         grads = [self._grad_of(e) for e in ins.entries]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = [g.reshape(-1) for g in grads]
+        if ins.loss:
+            dtype = flat[0].dtype if flat else torch.float64
+            flat.append(torch.tensor([self._my_loss()], dtype=dtype))
         w = Wait(self.rank, Coll("all_reduce", ins.group), ins, ("reduce", ins.bucket),
-                 payload=flat)
+                 payload=torch.cat(flat))
         yield from self.meet(w)
         offset = 0
         for g in grads:
             n = g.numel()
             g.copy_(w.result[offset:offset + n].view_as(g))
             offset += n
+        if ins.loss:
+            self.loss_total = float(w.result[offset].item())
+
+    def _my_loss(self) -> float:
+        """The sum of the loss parts this rank counts."""
+        return float(sum(float(x.detach()) for x, counted in self.losses if counted))
 
     def on_loss_sum(self, ins) -> Iterator[Wait]:
-        mine = float(sum(float(x.detach()) for x, counted in self.losses if counted))
         w = Wait(self.rank, Coll("all_reduce", ins.group), ins, ("loss",),
-                 payload=torch.tensor([mine], dtype=torch.float64))
+                 payload=torch.tensor([self._my_loss()], dtype=torch.float64))
         yield from self.meet(w)
         self.loss_total = float(w.result.item())
 

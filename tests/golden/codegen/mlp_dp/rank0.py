@@ -20,7 +20,7 @@ PLAN_FILE = 'dp.ssp'
 PLAN_PARAMS = {'n': 2}
 MODEL_FILE = 'mlp.py'
 SSDSL_VERSION = '0.1.0'
-DIGEST = '9ae54e0c141b483d'
+DIGEST = '1c1520381ee7293e'
 
 # -- shards --------------------------------------------------------------------------------
 # Parameter shards this rank holds: (graph tensor, qualified name, region).
@@ -58,9 +58,8 @@ I14 = backward(seeds=('cross_entropy_loss@0',), roots=(), collect=())
 I15 = free(values=('batch_0#0|0', 'p_model_layers_0_weight#1|0', 'p_model_layers_0_bias#2|0', 'linear@0', 'gelu@0', 'p_model_layers_1_weight#3|0', 'p_model_layers_1_bias#4|0', 'linear_1@0', 'gelu_1@0', 'p_model_layers_2_weight#5|0', 'p_model_layers_2_bias#6|0', 'linear_2@0', 'gelu_2@0', 'p_model_head_weight#7|0', 'p_model_head_bias#8|0', 'linear_3@0', 'reshape@0', 'batch_1#9|0', 'reshape_1@0', 'cross_entropy_loss_terms@0', 'cross_entropy_loss_count#10|0', 'cross_entropy_loss_normalized@0', 'cross_entropy_loss@0'))
 I16 = end(unit='0B0')
 I17 = wait_sends()
-I18 = reduce(bucket=0, group=(0, 1), entries=(('p_model_layers_0_weight', R((64, 32), (((0, 64),), ((0, 32),)), (0, 1))), ('p_model_layers_0_bias', R((64,), (((0, 64),),), (0, 1))), ('p_model_layers_1_weight', R((64, 64), (((0, 64),), ((0, 64),)), (0, 1))), ('p_model_layers_1_bias', R((64,), (((0, 64),),), (0, 1))), ('p_model_layers_2_weight', R((64, 64), (((0, 64),), ((0, 64),)), (0, 1))), ('p_model_layers_2_bias', R((64,), (((0, 64),),), (0, 1))), ('p_model_head_weight', R((16, 64), (((0, 16),), ((0, 64),)), (0, 1))), ('p_model_head_bias', R((16,), (((0, 16),),), (0, 1)))))
-I19 = loss_sum(group=(0, 1))
-I20 = step()
+I18 = reduce(bucket=0, group=(0, 1), entries=(('p_model_layers_0_weight', R((64, 32), (((0, 64),), ((0, 32),)), (0, 1))), ('p_model_layers_0_bias', R((64,), (((0, 64),),), (0, 1))), ('p_model_layers_1_weight', R((64, 64), (((0, 64),), ((0, 64),)), (0, 1))), ('p_model_layers_1_bias', R((64,), (((0, 64),),), (0, 1))), ('p_model_layers_2_weight', R((64, 64), (((0, 64),), ((0, 64),)), (0, 1))), ('p_model_layers_2_bias', R((64,), (((0, 64),),), (0, 1))), ('p_model_head_weight', R((16, 64), (((0, 16),), ((0, 64),)), (0, 1))), ('p_model_head_bias', R((16,), (((0, 16),),), (0, 1)))), loss=True)
+I19 = step()
 
 
 def train_step(rt, v):
@@ -95,6 +94,5 @@ def train_step(rt, v):
     rt(I15)  # free 23 values
     rt(I16)  # unit 0B0 ends
     rt(I17)  # wait for the sends in flight; dp.ssp:8:1
-    rt(I18)  # all_reduce 8 weight gradients over (0, 1); dp.ssp:8:1
-    rt(I19)  # the step's loss: all_reduce over every rank; dp.ssp:8:1
-    rt(I20)  # optimizer step on this rank's shards; dp.ssp:8:1
+    rt(I18)  # all_reduce 8 weight gradients over (0, 1), and the step's loss; dp.ssp:8:1
+    rt(I19)  # optimizer step on this rank's shards; dp.ssp:8:1
