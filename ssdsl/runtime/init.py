@@ -10,9 +10,9 @@ is not training, and each rank reads only its regions:
 - ``ssdsl run --nproc N``: the launching process (which plans the job anyway) builds the seeded
   model once and writes its parameters and buffers to a file (``initial_state_file``); it then
   frees them and starts the ranks.
-- under ``torchrun`` (no planning parent): local rank 0 of each machine writes the file, the
-  others wait at a barrier (``shared_state_file``). That one process holds the full model once,
-  before training, and frees it; this is the limit of that path.
+- under ``torchrun`` (no planning parent): local rank 0 of each machine has the file written
+  by a child process it starts and waits for, the others wait at a barrier
+  (``shared_state_file``). The child holds the full model once and exits; no rank does.
 
 A rank reads its regions out of the file with positioned reads (one per contiguous run), so it
 reads exactly their bytes; memory-mapping was tried first and measured worse: the kernel maps
@@ -33,6 +33,8 @@ import itertools
 import json
 import os
 import struct
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,6 +241,26 @@ def initial_state_file(model_file: Any, *, seed: int) -> Iterator[str]:
         yield str(path)
 
 
+def _write_state_in_child(model_path: str | Path, seed: int, path: Path) -> None:
+    """Build the seeded model and write its state in a child process, which exits and frees
+    the model before this rank goes on (a fresh interpreter: nothing of the rank's memory, and
+    the user's own script is not imported again)."""
+    code = ("import sys; from ssdsl.runtime.init import _write_state_main; "
+            "_write_state_main(sys.argv[1], int(sys.argv[2]), sys.argv[3])")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-c", code, str(model_path), str(seed), str(path)],
+                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if done.returncode != 0 or not path.exists():
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"writing the initial state of {model_path} failed in a child "
+                           f"process (exit status {done.returncode}): {tail}")
+
+
+def _write_state_main(model_path: str, seed: int, path: str) -> None:
+    from ssdsl.trace.model_file import load_model_file
+    write_state(load_model_file(model_path).build(seed=seed), path)
+
+
 def shared_state_file(model_file: Any, *, seed: int, local_rank: int, barrier,
                       key: str) -> StateFile:
     """Under torchrun: local rank 0 writes the seeded model's state to a machine-local file,
@@ -246,9 +268,7 @@ def shared_state_file(model_file: Any, *, seed: int, local_rank: int, barrier,
     digest = hashlib.sha1(f"{key}:{seed}:{model_file.path}".encode()).hexdigest()[:16]
     path = Path(tempfile.gettempdir()) / f"ssdsl-init-{digest}.pt"
     if local_rank == 0:
-        model = model_file.build(seed=seed)
-        write_state(model, path)
-        del model
+        _write_state_in_child(model_file.path, seed, path)
     barrier()
     state = StateFile(path)
     barrier()  # everyone has it open: the name can go (an open file keeps its data)
