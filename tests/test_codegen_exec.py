@@ -65,6 +65,7 @@ def results() -> list[dict]:
     return launch(_worker, nproc=2, args=(CASES, STEPS), timeout_s=240)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_generated_matches_interpreter(results, case):
@@ -80,6 +81,7 @@ def test_generated_matches_interpreter(results, case):
                 assert torch.allclose(ta, tb, rtol=1e-12, atol=1e-14), (rank, qa, ra)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_generated_matches_single_device(results, case):

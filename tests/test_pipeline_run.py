@@ -32,6 +32,7 @@ def run_json(capsys, *argv: str) -> tuple[int, dict]:
     ("interleaved_1f1b", 4, ["--set", "chunks=2", "--set", "microbatches=4"]),
     ("dp_tp_1f1b", 8, ["--set", "dp=2", "--set", "tp=2", "--set", "microbatches=4"]),
 ], ids=["1f1b-4x8", "gpipe-4x4", "interleaved-4x2chunks", "3d-dp2-tp2-pp2"])
+@pytest.mark.slow
 def test_pipeline_matches_reference_float64(capsys, plan, nproc, extra):
     code, out = run_json(capsys, plan, "--nproc", str(nproc), *EXACT, *extra)
     assert out["check"]["ok"], out["check"]
@@ -42,6 +43,7 @@ def test_pipeline_matches_reference_float64(capsys, plan, nproc, extra):
     assert forward["p2p"]["count"] > 0  # activations really crossed between stages
 
 
+@pytest.mark.slow
 def test_1f1b_float32_with_the_model_optimizer(capsys):
     code, out = run_json(capsys, "1f1b", "--nproc", "2", "--set", "microbatches=4")
     assert code == 0 and out["check"]["ok"], out["check"]
@@ -51,6 +53,7 @@ def test_1f1b_float32_with_the_model_optimizer(capsys):
     "gpt.py's tied wte/lm_head is one parameter read through one alias op (issue 10 finding 2), "
     "so 1f1b sends the table and its gradient between the stages every micro-batch; a once-per-"
     "step sum of the two stages' gradients (Megatron's embedding group) is the cheaper plan"))
+@pytest.mark.slow
 def test_1f1b_point_to_point_volume_is_the_boundary_activations(capsys):
     """Per step, each of the 3 stage boundaries moves each micro-batch's crossing activations
     forward and their gradients back: bytes = sum over crossing tensors of their size (float64)."""
@@ -107,6 +110,7 @@ def test_wrong_schedule_fails_before_launch_at_the_order_statement(tmp_path, cap
     assert f"p.ssp:{line}:" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_1f1b_with_recompute_matches_reference(tmp_path, capsys):
     plan = tmp_path / "rc.ssp"
     plan.write_text("plan rc(microbatches: int = 4)\n"
@@ -116,6 +120,7 @@ def test_1f1b_with_recompute_matches_reference(tmp_path, capsys):
     assert code == 0 and out["check"]["ok"], out["check"]
 
 
+@pytest.mark.slow
 def test_backwards_in_another_order_than_their_sender_still_match(tmp_path, capsys):
     """Stage 1 sends micro-batch 1's gradient before micro-batch 0's, stage 0 receives 0 first:
     messages are told apart by (edge, micro-batch) tags, not by arrival order."""
@@ -147,6 +152,7 @@ order on device 1: forward st[1] mb 0..2, input_grad st[1] mb 0..2, weight_grad 
     assert "zb.ssp:6:" in err and "input and weight gradients" in err
 
 
+@pytest.mark.slow
 def test_data_parallel_with_gradient_accumulation_matches(tmp_path, capsys):
     """Micro-batches without stages: each dp rank accumulates 2 micro-batches, then one reduction."""
     plan = tmp_path / "dpacc.ssp"

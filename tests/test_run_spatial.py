@@ -31,6 +31,7 @@ def run_json(capsys, *argv: str) -> tuple[int, dict]:
     (GPT, "megatron_tp", 4, []),
     (GPT, "dp_tp", 4, ["--set", "dp=2"]),
 ], ids=["mlp-dp2", "gpt-tp2", "gpt-tp4", "gpt-dp2xtp2"])
+@pytest.mark.slow
 def test_matches_reference_float64(capsys, model, plan, nproc, extra):
     code, out = run_json(capsys, model, plan, "--nproc", str(nproc), "--steps", "3",
                          "--check", *EXACT, *extra)
@@ -41,11 +42,13 @@ def test_matches_reference_float64(capsys, model, plan, nproc, extra):
     assert worst["loss"] < 1e-9 and worst["param"] < 1e-9
 
 
+@pytest.mark.slow
 def test_gpt_dp_float32_model_optimizer(capsys):
     code, out = run_json(capsys, GPT, "dp", "--nproc", "2", "--steps", "3", "--check")
     assert code == 0 and out["check"]["ok"], out["check"]
 
 
+@pytest.mark.slow
 def test_megatron_forward_communication_is_one_all_reduce_per_row_linear(capsys):
     """gpt.py has 2 blocks, each with 2 row-parallel linears: 4 forward all-reduces, nothing else."""
     code, out = run_json(capsys, GPT, "megatron_tp", "--nproc", "2", "--steps", "1")
@@ -67,6 +70,7 @@ def test_bad_flag_is_a_usage_error(capsys):
     assert "--steps must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_save_writes_a_single_device_state_dict_and_never_overwrites(capsys, tmp_path):
     """The saved, merged parameters load into the plain model and equal the reference's."""
     import torch
@@ -92,6 +96,7 @@ def test_save_writes_a_single_device_state_dict_and_never_overwrites(capsys, tmp
     assert out.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_under_torchrun_each_process_is_one_rank():
     """`torchrun -m ssdsl run ...`: the path past one machine; rank 0 prints the verdict."""
     import os

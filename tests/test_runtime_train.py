@@ -193,6 +193,7 @@ def data_parallel_worker(model_path: str, steps: int) -> dict:
         return {"losses": losses, "state": state, "ranks": all_gather_objects(ctx.rank)}
 
 
+@pytest.mark.slow
 def test_two_rank_data_parallel_loop_matches_the_reference(mf, model_path):
     events: list[StepMetrics] = []
     results = launch(data_parallel_worker, nproc=2, args=(str(model_path), 3),

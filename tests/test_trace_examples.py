@@ -107,7 +107,8 @@ def _values(graph: Graph, mf, model) -> dict[str, torch.Tensor]:
     return {k: v.double() if v.is_floating_point() else v for k, v in env.items()}
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n in ("swin", "evoformer") else n for n in NAMES])
 def test_every_op_splits_on_real_activations(name: str) -> None:
     mf, model, graph = traced(name)
     values = _values(graph, mf, model)
