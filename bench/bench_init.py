@@ -8,7 +8,8 @@ Three launches of one training step each (SGD, so no optimizer state):
 
 - ``launcher file``: as ``ssdsl run --nproc`` does: the launching process writes the seeded
   model's state once, ranks plan on ``meta`` and copy their regions out of the mapped file;
-- ``torchrun path``: no launcher file: local rank 0 writes it, the others map it;
+- ``torchrun path``: no launcher file: a child process of local rank 0 writes it, every rank
+  reads its regions from it;
 - ``baseline``: the same ranks on a 1-block, D=64 model (the cost of torch, tracing and gloo).
 
 Prints JSON: the full model's parameter bytes, one rank's shard bytes, and each rank's peak RSS
