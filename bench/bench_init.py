@@ -7,7 +7,7 @@ parallelism over ``--nproc`` ranks (every linear split, so a rank holds 1/N of t
 Three launches of one training step each (SGD, so no optimizer state):
 
 - ``launcher file``: as ``ssdsl run --nproc`` does: the launching process writes the seeded
-  model's state once, ranks plan on ``meta`` and copy their regions out of the mapped file;
+  model's state once, ranks plan on ``meta`` and read their regions out of the file;
 - ``torchrun path``: no launcher file: a child process of local rank 0 writes it, every rank
   reads its regions from it;
 - ``baseline``: the same ranks on a 1-block, D=64 model (the cost of torch, tracing and gloo).
