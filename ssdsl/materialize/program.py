@@ -88,6 +88,8 @@ class Materialized:
 def _add(into: dict[str, dict[str, int]], acc: Mapping[str, tuple[int, int]],
          times: int = 1) -> None:
     for kind, (count, nbytes) in acc.items():
+        if not count and not nbytes:  # a local step (a chunk of what a device holds) moves nothing
+            continue
         slot = into.setdefault(kind, {"count": 0, "bytes": 0})
         slot["count"] += count * times
         slot["bytes"] += nbytes * times
