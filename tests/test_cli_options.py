@@ -74,3 +74,36 @@ def test_run_world_and_set_world_must_agree(capsys):
     err = capsys.readouterr().err
     assert "--set world=4 disagrees with the 2 ranks" in err and "--world 4" in err
     assert "Traceback" not in err
+
+
+def test_the_script_flushes_and_exits_with_mains_status(monkeypatch):
+    """``run_main`` ends with ``os._exit`` (no slow teardown): what was printed is flushed first
+    and the status is main's. Oracle: a stream that records flushes, and the status main
+    returned, passed through unchanged."""
+    import io
+    import os
+    import sys
+
+    import ssdsl.cli as cli
+
+    class Recording(io.StringIO):
+        flushed = ""
+
+        def flush(self):
+            self.flushed = self.getvalue()
+
+    out, err = Recording(), Recording()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+
+    def fake_main():
+        print("a line still in the buffer")
+        print("an error", file=sys.stderr)
+        return 2
+
+    exits = []
+    monkeypatch.setattr(cli, "main", fake_main)
+    monkeypatch.setattr(os, "_exit", exits.append)
+    cli.run_main()
+    assert exits == [2]
+    assert out.flushed == "a line still in the buffer\n" and err.flushed == "an error\n"

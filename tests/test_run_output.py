@@ -84,7 +84,7 @@ def test_step_lines_stream_before_the_job_ends(tmp_path):
     assert [x[:8] for x in lines if x.startswith("step ")] == [f"step {i}/4" for i in (1, 2, 3, 4)]
     assert "{" not in out  # a readable summary, not a Python dict
     summary = next(x for x in lines if x.startswith("trained 4 steps"))
-    assert "loss" in summary
+    assert "loss" in summary and "in all, with planning and start-up" in summary
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert len(rows) == 4 and all(r["schema_version"] == 1 for r in rows)
     for r in rows:  # the rate is the batch over the slowest rank's time
@@ -145,8 +145,24 @@ def test_summary_rates_agree_with_the_step_rows():
     assert s.median_step_s == pytest.approx(0.016)  # median of the 4 after the first
     assert s.samples_per_s == pytest.approx(8 / 0.016)
     assert s.peak_memory_rank == 1 and s.first_loss == 1.0
+    assert s.train_s == pytest.approx(sum(times))  # the steps, not planning and start-up
     text = "\n".join(s.lines())
     assert "500 samples/s" in text and "{" not in text
+    assert text.startswith("trained 5 steps in 0.57 s (1.0 s in all, with planning")
+
+
+def test_the_summary_ends_with_training_and_later_work_is_announced():
+    """The wall time stops when the progress closes (a --check reference trained afterwards is
+    not counted as training), and what runs after it gets a line of its own."""
+    stream = io.StringIO()
+    with LineProgress(nproc=1, steps=1, stream=stream) as p:
+        p.on_event(0, _metrics(0, 0, 0.010))
+    first = p.summary().wall_s
+    p.after("checking: training the single-device reference for 1 step and comparing")
+    assert p.summary().wall_s == first
+    last = stream.getvalue().splitlines()[-1]
+    assert last.endswith("] checking: training the single-device reference for 1 step and "
+                         "comparing") and last.startswith("[")
 
 
 def test_live_panel_shows_phase_elapsed_eta_and_loss_trend():

@@ -98,7 +98,11 @@ def run(args: argparse.Namespace) -> int:
     result, progress, verification = result
     if args.save:
         _saved_at(Path(args.save), save_atomically(result["params"], Path(args.save)))
-    verdict, precision = _check(args, spec, result, first_step) if args.check else (None, None)
+    verdict, precision = None, None
+    if args.check:
+        progress.after(f"checking: training the single-device reference for {args.steps} "
+                       f"step{'s' if args.steps != 1 else ''} and comparing")
+        verdict, precision = _check(args, spec, result, first_step)
     if args.json:
         doc = run_json(args, spec, result, progress, verdict)
         doc["verify"] = verification.as_dict()
