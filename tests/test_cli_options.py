@@ -107,3 +107,25 @@ def test_the_script_flushes_and_exits_with_mains_status(monkeypatch):
     cli.run_main()
     assert exits == [2]
     assert out.flushed == "a line still in the buffer\n" and err.flushed == "an error\n"
+
+
+def test_cost_devices_are_the_profiles():
+    from ssdsl.cli.cost import DEVICES
+    from ssdsl.cost.profiles import profile_names
+    assert sorted(DEVICES) == sorted(profile_names())
+
+
+@pytest.mark.slow
+def test_help_and_bad_flags_answer_without_loading_torch():
+    """Building the parser imports no torch, so `ssdsl --help`, `--version` and a mistyped flag
+    answer at once. Oracle: sys.modules of a fresh interpreter."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom ssdsl.cli import build_parser, main\nbuild_parser()\n"
+            "print('torch' in sys.modules)\n"
+            "try:\n    main(['run', 'm.py', 'dp', '--stepz', '3'])\n"
+            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.stdout.split() == ["False", "2", "False"], out.stdout + out.stderr
+    assert "unrecognized arguments: --stepz" in out.stderr

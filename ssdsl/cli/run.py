@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ssdsl.cli.check import parse_sets
 from ssdsl.errors import UsageError
 
@@ -244,6 +242,7 @@ def _check(args: argparse.Namespace, spec: Any, result: dict, first_step: int):
     expected = RunRecord(losses=ref.losses[first_step:],
                          final_state={k: v for k, v in ref.final_state.items()
                                       if k in result["params"]})
+    import torch
     precision = _precision(args.model, DTYPES[args.dtype])
     check_dtype = torch.bfloat16 if args.dtype == "bfloat16" else precision.dtype
     verdict = compare_runs(expected, mine, tolerance=tolerance_for(check_dtype,
@@ -327,6 +326,8 @@ def save_atomically(state: dict, path: Path) -> Path:
     """
     import os
     import tempfile
+
+    import torch
 
     from ssdsl.runtime.checkpoint import current_umask
     try:
