@@ -124,9 +124,29 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.metrics and Path(args.metrics).exists():
         raise UsageError(f"--metrics: {args.metrics} exists; ssdsl does not overwrite files",
                          hint="choose a new file name or remove the old one")
-    if args.checkpoint and Path(args.checkpoint).exists() and any(Path(args.checkpoint).iterdir()):
-        raise UsageError(f"--checkpoint: {args.checkpoint} exists and is not empty; ssdsl does "
-                         "not overwrite checkpoints", hint="choose a new directory")
+    if args.checkpoint:
+        folder = Path(args.checkpoint)
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"--checkpoint: {folder} is a file, not a directory",
+                             hint="give a new directory; each rank writes its file into it")
+        if folder.exists() and any(folder.iterdir()):
+            raise UsageError(f"--checkpoint: {folder} exists and is not empty; ssdsl does "
+                             "not overwrite checkpoints", hint="choose a new directory")
+        _writable("--checkpoint", folder)  # before training, not after it
+    if args.metrics:
+        _writable("--metrics", Path(args.metrics).parent)
+
+
+def _writable(flag: str, folder: Path) -> None:
+    """Refuse, before anything runs, a folder that cannot be made or written: its nearest
+    existing ancestor must be a writable directory."""
+    import os
+    here = folder.absolute()
+    while not here.exists():
+        here = here.parent
+    if not here.is_dir() or not os.access(here, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}: cannot write into {folder} ({here} is not a writable "
+                         "directory)", hint="choose a path you can write")
 
 
 def _world(args: argparse.Namespace, sets: dict[str, str], *, torchrun: bool) -> int:
@@ -180,7 +200,11 @@ def _train(spec: Any, args: argparse.Namespace, *, world: int, first_step: int):
     rank = 0
     if torchrun:
         rank = int(os.environ["RANK"])
-    metrics = MetricsFile(args.metrics) if args.metrics and rank == 0 else None
+    try:
+        metrics = MetricsFile(args.metrics) if args.metrics and rank == 0 else None
+    except OSError as exc:
+        raise UsageError(f"--metrics: cannot write {args.metrics}: {exc.strerror or exc}",
+                         hint="choose a path you can write") from exc
     stream = sys.stderr if args.json else sys.stdout
     progress = make_progress(nproc=1 if torchrun else world, steps=args.steps - first_step,
                              first_step=first_step, title=f"ssdsl run {args.model} {args.plan}",

@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     targets = args.targets
     if len(targets) > 2 or (len(targets) == 2 and not targets[0].endswith(".py")):
         raise UsageError("show takes [MODEL] PLAN, the model file ending in .py")
+    if args.output and not args.no_picture and Path(args.output).suffix not in (".svg", ".png"):
+        raise UsageError(f"-o {args.output}: the picture must end in .svg or .png")
     plan = elaborate_from_args(targets[-1], args)
     assumed = args.world is None and not any(item.split("=", 1)[0].strip() == "world"
                                              for item in args.sets)
