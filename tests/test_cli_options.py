@@ -129,3 +129,25 @@ def test_help_and_bad_flags_answer_without_loading_torch():
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.stdout.split() == ["False", "2", "False"], out.stdout + out.stderr
     assert "unrecognized arguments: --stepz" in out.stderr
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--timeout", "0"], "--timeout must be above 0 seconds, not 0"),
+    (["--timeout", "-5"], "--timeout must be above 0 seconds, not -5"),
+    (["--lr", "-1", "--optimizer", "sgd"], "--lr must be at least 0, not -1"),
+])
+def test_run_refuses_numbers_that_cannot_work_before_starting(flags, says, capsys):
+    """Were: a job stopped at once for "running past its time limit of 0 s", and every rank
+    failing in torch.optim with a raw ValueError."""
+    assert main(["run", MLP, "dp", "--no-verify", *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and "starting" not in err
+
+
+@pytest.mark.parametrize("command", [["trace", MLP], ["cost", MLP, "dp"]])
+def test_a_batch_size_below_one_is_a_usage_error(command, capsys):
+    """Was a ZeroDivisionError traceback in `trace --batch-size 0`."""
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--batch-size", "0"])
+    assert exc.value.code == 2
+    assert "argument --batch-size: must be at least 1, not 0" in capsys.readouterr().err

@@ -29,6 +29,17 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a batch size, a count of steps)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ssdsl", description="Parallelization plans for PyTorch models: "
                      "partition, replicate, assign, order.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ssdsl.cli import positive_int
 from ssdsl.errors import SsdslError, UsageError
 
 OPTIMIZERS = ("model", "sgd", "momentum", "adamw")
@@ -40,7 +41,7 @@ def register(subparsers: Any) -> None:
                    help="compute dtype (default float32; half dtypes keep fp32 master weights)")
     p.add_argument("--optimizer", default="model", choices=OPTIMIZERS,
                    help="optimizer state to count (default: the model file's optimizer)")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help="global batch size (default: the model file's BATCH_SIZE)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)

@@ -118,6 +118,10 @@ def _check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+    if not args.timeout > 0:  # the job would be stopped as soon as it started
+        raise UsageError(f"--timeout must be above 0 seconds, not {args.timeout:g}")
+    if args.lr is not None and not args.lr >= 0:  # else every rank fails in torch.optim
+        raise UsageError(f"--lr must be at least 0, not {args.lr:g}")
     if args.save and Path(args.save).exists():
         raise UsageError(f"--save: {args.save} exists; ssdsl does not overwrite files",
                          hint="choose a new file name or remove the old one")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ssdsl.cli import positive_int
+
 # torch (through ssdsl.trace) is imported when the command runs, not when the parser is built:
 # `ssdsl --help`, `--version` and a mistyped flag answer without loading it.
 
@@ -16,7 +18,7 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help='print JSON (docs/json.md) instead of a table')
     p.add_argument("--device", default="meta", choices=("meta", "cpu"),
                    help="device to build the model on (default: meta)")
-    p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the "
+    p.add_argument("--batch-size", type=positive_int, default=None, help="batch size (default: the "
                    "model file's BATCH_SIZE)")
     p.set_defaults(func=run)
 
