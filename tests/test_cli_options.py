@@ -151,3 +151,37 @@ def test_a_batch_size_below_one_is_a_usage_error(command, capsys):
         main([*command, "--batch-size", "0"])
     assert exc.value.code == 2
     assert "argument --batch-size: must be at least 1, not 0" in capsys.readouterr().err
+
+
+def test_the_torchrun_rule_is_the_launchers():
+    from ssdsl.cli.run import torchrun_rank
+    from ssdsl.runtime.launch import under_torchrun
+    envs = [{}, {"RANK": "3"}, {"RANK": "3", "WORLD_SIZE": "4"},
+            {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
+            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "OTHER": "x"}]
+    for env in envs:
+        assert (torchrun_rank(env) is not None) == under_torchrun(env), env
+    assert torchrun_rank(envs[3]) == 3
+
+
+@pytest.mark.slow
+def test_run_shows_its_first_line_before_torch_is_imported():
+    """Oracle: sys.modules at the moment the first line is written, in a fresh interpreter."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "class Out:\n"
+            "    seen = []\n"
+            "    def write(self, text):\n"
+            "        self.seen.append((text, 'torch' in sys.modules)); return len(text)\n"
+            "    def flush(self): pass\n"
+            "    def isatty(self): return False\n"
+            "out = Out(); sys.stdout = out\n"
+            "from ssdsl.cli import main\n"
+            "code = main(['run', 'no_such_model.py', 'dp'])\n"
+            "sys.stdout = sys.__stdout__\n"
+            "print(code, out.seen[0][1], 'planning' in out.seen[0][0])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.stdout.split() == ["2", "False", "True"], out.stdout + out.stderr
+    assert "model file not found: no_such_model.py" in out.stderr

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssdsl.runtime.progress import LineProgress, LiveProgress, Phase, RunSummary, combine
+from ssdsl.runtime.progress import (LineProgress, LiveProgress, MetricsFile, Phase, RunSummary,
+                                    combine)
 from ssdsl.runtime.train import StepMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,3 +188,22 @@ def test_tokens_per_second_for_token_inputs():
     from ssdsl.runtime.train import tokens_in
     assert tokens_in((torch.zeros(4, 16, dtype=torch.long),)) == 64
     assert tokens_in((torch.zeros(4, 16),)) is None
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_metrics_file(tmp_path, capsys):
+    """Else the same command, run again after the fix, refuses its --metrics path as taken.
+    Oracle: the directory listing; a file with rows is kept (below)."""
+    from ssdsl.cli import main
+    metrics = tmp_path / "m.jsonl"
+    mlp = str(ROOT / "examples" / "mlp.py")
+    assert main(["run", mlp, "dp", "--world", "2", "--set", "world=3",
+                 "--metrics", str(metrics)]) == 2
+    assert "disagrees" in capsys.readouterr().err
+    assert not metrics.exists()
+    kept = tmp_path / "k.jsonl"
+    with pytest.raises(RuntimeError):
+        with LineProgress(nproc=1, steps=2, stream=io.StringIO(),
+                          metrics=MetricsFile(kept)) as p:
+            p.on_event(0, _metrics(0, 0, 0.01))
+            raise RuntimeError("a rank failed at step 1")
+    assert [json.loads(x)["step"] for x in kept.read_text().splitlines()] == [0]

@@ -27,9 +27,32 @@ from typing import IO, Any
 
 import attrs
 
-from ssdsl.runtime.train import StepMetrics, human_bytes
 from ssdsl.schema import SCHEMA_VERSION
 
+# No torch here: ``ssdsl run`` shows its first line before torch is imported.
+
+
+@attrs.frozen
+class StepMetrics:
+    """One rank's numbers for one step (sent to the launcher as an event)."""
+
+    rank: int
+    step: int
+    loss: float | None
+    step_s: float
+    samples_per_s: float
+    comm_bytes: int
+    peak_memory_bytes: int
+    tokens_per_s: float | None = None  # when the inputs are token ids (``train.tokens_in``)
+
+
+def human_bytes(n: float) -> str:
+    """``219.0 KiB``: bytes in binary units."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 @attrs.frozen
@@ -172,7 +195,9 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         self.ended = time.monotonic()
         if self.metrics is not None:
-            self.metrics.close()
+            # a run that failed before its first step leaves no empty file behind (which
+            # would make the same command, run again, refuse its --metrics path)
+            self.metrics.close(discard_empty=exc[0] is not None)
 
     def on_event(self, rank: int, event: Any) -> None:
         """``launch(..., on_event=progress.on_event)``."""
@@ -191,6 +216,12 @@ class Progress:
                     self.metrics.write(row)
                 self.show_row(row)
             self.refresh()
+
+    def configure(self, *, nproc: int, steps: int, first_step: int) -> None:
+        """The job's shape, once it is known (the progress starts before it is, so that the
+        first line comes before torch is loaded); before any event arrives."""
+        self.nproc, self.steps, self.first_step = nproc, steps, first_step
+        self.refresh()
 
     def phase(self, name: str) -> None:
         """A phase of the launcher itself (planning before the ranks start, saving after)."""
@@ -340,11 +371,17 @@ class MetricsFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # "x": an existing file is never replaced; ssdsl does not overwrite files it did not make
         self._f = open(self.path, "x", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self.rows = 0
 
     def write(self, row: StepRow) -> None:
         self._f.write(json.dumps(row.as_json()) + "\n")
         self._f.flush()
+        self.rows += 1
 
-    def close(self) -> None:
+    def close(self, *, discard_empty: bool = False) -> None:
+        """Close the file; with ``discard_empty``, remove it when no row was written (it is
+        the file this object made: ``open(..., "x")`` never takes an existing one)."""
         if not self._f.closed:
             self._f.close()
+            if discard_empty and self.rows == 0:
+                self.path.unlink(missing_ok=True)
