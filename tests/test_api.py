@@ -31,7 +31,7 @@ def user_script(model: str, plan: str, steps: int) -> dict:
             "forward": pm.communication()["forward"]}
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two rank processes
 def test_parallelize_megatron_matches_reference():
     results = launch(user_script, nproc=2, args=(GPT, "megatron_tp", 2), timeout_s=300)
     ref = run_reference(load_model_file(GPT), steps=2, dtype=torch.float64,

@@ -133,3 +133,24 @@ def test_check_needs_a_checkpoint_not_a_state_dict(capsys, tmp_path):
     torch.save(load_model_file(GPT).build(seed=0).state_dict(), state)
     assert main(["run", GPT, "dp", "--steps", "2", "--resume", str(state), "--check"]) == 2
     assert "is a state dict, not a checkpoint" in capsys.readouterr().err
+
+
+def test_paths_that_cannot_work_are_refused_before_training(capsys, tmp_path):
+    """A --checkpoint that is a file, a --metrics or --checkpoint under a file, a --resume file
+    that is no state dict: exit status 2 and a message, before anything runs, and the user's
+    files as they were. Oracle: the files' own bytes, read back."""
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my notes")
+    cases = [(["--checkpoint", str(mine)], "is a file, not a directory"),
+             (["--checkpoint", str(mine / "ck")], "cannot write into"),
+             (["--metrics", str(mine / "m.jsonl")], "cannot write into"),
+             (["--resume", str(mine)], "is neither a checkpoint nor a state dict")]
+    for flags, says in cases:
+        assert main(["run", GPT, "dp", "--steps", "2", "--no-verify", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
+    torch.save([1, 2], tmp_path / "list.pt")
+    assert main(["run", GPT, "dp", "--steps", "2", "--resume", str(tmp_path / "list.pt")]) == 2
+    assert "holds a list, not a state dict" in capsys.readouterr().err
+    assert mine.read_text() == "my notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["list.pt", "notes.txt"]

@@ -115,3 +115,13 @@ def test_command_runs_and_prints_what_the_doc_shows(doc, command, shown, tmp_pat
         elif head:
             assert any(o.strip().startswith(head) for o in out), \
                 f"{doc} shows {head!r}:\n{proc.stdout}"
+
+
+def test_pipelines_page_quotes_the_readme_figures():
+    """docs/pipelines.md carries no measurements of its own (the issue found them disagreeing
+    with the README's): every ratio it quotes is one in the README's Results table."""
+    quoted = re.findall(r"\b(\d\.\d\d)\b", (ROOT / "docs" / "pipelines.md").read_text()
+                        .split("## Measured")[1])
+    results = (ROOT / "README.md").read_text().split("## Results")[1]
+    assert quoted and all(q in results for q in quoted), quoted
+    assert "ms/step" not in (ROOT / "docs" / "pipelines.md").read_text().split("## Measured")[1]

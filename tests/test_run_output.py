@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssdsl.runtime.progress import LineProgress, LiveProgress, Phase, RunSummary, combine
+from ssdsl.runtime.progress import (LineProgress, LiveProgress, MetricsFile, Phase, RunSummary,
+                                    combine)
 from ssdsl.runtime.train import StepMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +85,7 @@ def test_step_lines_stream_before_the_job_ends(tmp_path):
     assert [x[:8] for x in lines if x.startswith("step ")] == [f"step {i}/4" for i in (1, 2, 3, 4)]
     assert "{" not in out  # a readable summary, not a Python dict
     summary = next(x for x in lines if x.startswith("trained 4 steps"))
-    assert "loss" in summary
+    assert "loss" in summary and "in all, with planning and start-up" in summary
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert len(rows) == 4 and all(r["schema_version"] == 1 for r in rows)
     for r in rows:  # the rate is the batch over the slowest rank's time
@@ -133,7 +134,7 @@ def test_a_row_waits_for_every_rank_and_takes_the_slowest():
     lines = stream.getvalue().splitlines()
     assert sum("planning" in x for x in lines) == 1
     assert lines[-1].startswith("step 1/3  loss 1.0000  20.0 ms/step  400 samples/s")
-    assert "mem 2.0 MiB" in lines[-1]
+    assert "comm 100 B" in lines[-1] and "mem 2.0 MiB" in lines[-1]  # the larger rank's peak
 
 
 def test_summary_rates_agree_with_the_step_rows():
@@ -145,8 +146,24 @@ def test_summary_rates_agree_with_the_step_rows():
     assert s.median_step_s == pytest.approx(0.016)  # median of the 4 after the first
     assert s.samples_per_s == pytest.approx(8 / 0.016)
     assert s.peak_memory_rank == 1 and s.first_loss == 1.0
+    assert s.train_s == pytest.approx(sum(times))  # the steps, not planning and start-up
     text = "\n".join(s.lines())
     assert "500 samples/s" in text and "{" not in text
+    assert text.startswith("trained 5 steps in 0.57 s (1.0 s in all, with planning")
+
+
+def test_the_summary_ends_with_training_and_later_work_is_announced():
+    """The wall time stops when the progress closes (a --check reference trained afterwards is
+    not counted as training), and what runs after it gets a line of its own."""
+    stream = io.StringIO()
+    with LineProgress(nproc=1, steps=1, stream=stream) as p:
+        p.on_event(0, _metrics(0, 0, 0.010))
+    first = p.summary().wall_s
+    p.after("checking: training the single-device reference for 1 step and comparing")
+    assert p.summary().wall_s == first
+    last = stream.getvalue().splitlines()[-1]
+    assert last.endswith("] checking: training the single-device reference for 1 step and "
+                         "comparing") and last.startswith("[")
 
 
 def test_live_panel_shows_phase_elapsed_eta_and_loss_trend():
@@ -171,3 +188,22 @@ def test_tokens_per_second_for_token_inputs():
     from ssdsl.runtime.train import tokens_in
     assert tokens_in((torch.zeros(4, 16, dtype=torch.long),)) == 64
     assert tokens_in((torch.zeros(4, 16),)) is None
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_metrics_file(tmp_path, capsys):
+    """Else the same command, run again after the fix, refuses its --metrics path as taken.
+    Oracle: the directory listing; a file with rows is kept (below)."""
+    from ssdsl.cli import main
+    metrics = tmp_path / "m.jsonl"
+    mlp = str(ROOT / "examples" / "mlp.py")
+    assert main(["run", mlp, "dp", "--world", "2", "--set", "world=3",
+                 "--metrics", str(metrics)]) == 2
+    assert "disagrees" in capsys.readouterr().err
+    assert not metrics.exists()
+    kept = tmp_path / "k.jsonl"
+    with pytest.raises(RuntimeError):
+        with LineProgress(nproc=1, steps=2, stream=io.StringIO(),
+                          metrics=MetricsFile(kept)) as p:
+            p.on_event(0, _metrics(0, 0, 0.01))
+            raise RuntimeError("a rank failed at step 1")
+    assert [json.loads(x)["step"] for x in kept.read_text().splitlines()] == [0]

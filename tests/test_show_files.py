@@ -44,3 +44,11 @@ def test_device_ranges_are_half_open_everywhere():
     from ssdsl.schedule.picture import ranges_text
     assert devices_text([0, 1, 2, 3]) == ranges_text([0, 1, 2, 3]) == "0..4"
     assert devices_text([0, 2, 5]) == "0,2,5" and devices_text([]) == "-"
+
+
+def test_a_picture_name_it_cannot_write_is_refused_before_the_work(tmp_path, capsys):
+    out = tmp_path / "s.txt"
+    assert main(["show", "1f1b", "--world", "2", "-o", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "must end in .svg or .png" in captured.err
+    assert captured.out == "" and not out.exists()  # no timeline printed, nothing written

@@ -106,3 +106,23 @@ def test_notes_are_printed(capsys) -> None:
     assert main(["check", GPT, "dp", "--world", "2"]) == 0
     out = capsys.readouterr().out
     assert "note:" in out and "without dim 'batch'" in out
+
+
+def test_table_names_splits_in_the_plans_words(capsys, tmp_path) -> None:
+    """A split the plan wrote `along out` / `along in` reads back with those words in the
+    table (not the annotation's labels n and k); the JSON keeps the labels of its schema.
+    Oracle: the plan text below, and the labels docs/json.md's `split` has always used."""
+    plan = tmp_path / "tp.ssp"
+    plan.write_text("plan tp()\npartition layers.1 along out into 2\n"
+                    "partition layers.2 along in into 2\nreplicate rest into 2\n"
+                    "assign each part i to device i\n")
+    assert main(["check", MLP, str(plan), "--world", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
+    assert " out/2 " in lines["linear_1"] and "n/2" not in lines["linear_1"]
+    assert " in/2 (partial sums)" in lines["linear_2"] and "k/2" not in lines["linear_2"]
+    assert "(a..b: devices a to b-1" not in out  # no range is shown (devices 0,1)
+    doc = run_json(capsys, MLP, str(plan), "--world", "2")
+    split = {op["name"]: op["split"] for op in doc["ops"]}
+    assert split["linear_1"] == {"n": 2} and split["linear_2"] == {"k": 2}
+    assert "split_words" not in doc["ops"][0]

@@ -29,6 +29,17 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a batch size, a count of steps)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ssdsl", description="Parallelization plans for PyTorch models: "
                      "partition, replicate, assign, order.")
@@ -106,4 +117,18 @@ def print_json_error(err: SsdslError, command: str | None = None) -> None:
 
 
 def run_main() -> None:
-    sys.exit(main())
+    """The console script: ``main``, then an exit that skips the interpreter's teardown.
+
+    Tearing down torch's modules and the traced graphs takes 1-3 s after the last line on a
+    loaded machine, and longer under load, in which the command looks hung. Every file a
+    command writes is closed by then (context managers), so only the standard streams need a
+    flush; ``os._exit`` then ends the process at once with the same status.
+    """
+    import os
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError, OSError):  # a reader that left, a closed stream
+            pass
+    os._exit(code)

@@ -14,6 +14,7 @@ from typing import Any
 from ssdsl.elaborate.directives import ElaboratedPlan
 from ssdsl.trace import trace
 from ssdsl.trace.model_file import load_model_file
+from ssdsl.trace.table import plan_word
 from ssdsl.transform import Part, Transformed, transform
 
 
@@ -121,7 +122,11 @@ def op_rows(t: Transformed) -> list[dict[str, Any]]:
     rows = []
     for op in t.graph.ops:
         parts = t.parts[op.name]
-        names = dict(getattr(t.annotations[op.name], "names", {}))
+        ann = t.annotations[op.name]
+        names = dict(getattr(ann, "names", {}))
+        # the words a plan writes for a label (a linear's `out`, `in`), for the text table only:
+        # the JSON keeps the labels its schema has always had
+        words = {label: word for word, label in getattr(ann, "words", {}).items()}
         rows.append({
             "name": op.name, "kind": op.kind, "module": op.module,
             "parts": len(parts),
@@ -130,6 +135,9 @@ def op_rows(t: Transformed) -> list[dict[str, Any]]:
             "partial_sums": any(p.sub.value for p in parts),
             "devices": sorted({p.device for p in parts if p.device is not None}),
             "part_list": [_part_json(p, names) for p in parts],
+            "split_words": {_dim_name(label, names): plan_word(names.get(label)
+                                                               or words.get(label) or label)
+                            for label in _split_counts(parts)},
         })
     return rows
 
@@ -164,8 +172,8 @@ def to_json(model: str, plan: ElaboratedPlan, t: Transformed,
     return {"model": model, "plan": plan.name, "file": plan.file, "world": plan.world,
             "params": {k: v if isinstance(v, (int, float, bool, str)) else str(v)
                        for k, v in plan.params},
-            "ops": [{**{k: v for k, v in r.items() if k != "part_list"}, "parts": r["part_list"]}
-                    for r in rows],
+            "ops": [{**{k: v for k, v in r.items() if k not in ("part_list", "split_words")},
+                     "parts": r["part_list"]} for r in rows],
             "devices": t.devices(), "notes": list(t.notes),
             "deferred": [str(d) for d in t.deferred]}
 
@@ -178,7 +186,8 @@ def devices_text(devices: Sequence[int]) -> str:
 
 
 def split_text(row: dict[str, Any]) -> str:
-    dims = [f"{d}/{n}" for d, n in row["split"].items()]
+    words = row.get("split_words", {})
+    dims = [f"{words.get(d, d)}/{n}" for d, n in row["split"].items()]
     if row["copies"] > 1:
         dims.append(f"x{row['copies']} copies")
     if row["partial_sums"]:
@@ -203,9 +212,10 @@ def print_table(model: str, plan: ElaboratedPlan, t: Transformed,
                       devices_text(r["devices"]), style=style)
     console.print(table, highlight=False)
     n_parts = sum(r["parts"] for r in rows)
-    console.print(f"{len(rows)} operators, {n_parts} parts on devices "
-                  f"{devices_text(t.devices())} (a..b: devices a to b-1, as in plans)",
-                  highlight=False)
+    shown = [devices_text(t.devices())] + [devices_text(r["devices"]) for r in rows]
+    console.print(f"{len(rows)} operators, {n_parts} parts on devices {shown[0]}"
+                  + (" (a..b: devices a to b-1, as in plans)" if any(".." in x for x in shown)
+                     else ""), highlight=False)
     for note in t.notes:
         console.print(f"note: {note}", style="yellow", highlight=False)
     if t.deferred:

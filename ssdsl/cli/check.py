@@ -14,9 +14,13 @@ from ssdsl.errors import UsageError
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("check", help="elaborate a plan and list its directives",
+    p = subparsers.add_parser("check", help="check a plan: its directives, or with MODEL its "
+                              "parts, communication and programs",
                               description="Elaborate PLAN (a .ssp path or a stdlib plan name) "
-                              "and print the flat list of primitive directives.")
+                              "and print the flat list of primitive directives; with MODEL, "
+                              "apply it to the traced model and print each operator's parts "
+                              "and devices and the communication per step, after checking "
+                              "every rank's lowered program. Nothing runs.")
     p.add_argument("targets", nargs="+", metavar="[MODEL] PLAN",
                    help="an optional model file (.py), then a plan file or stdlib plan name")
     add_plan_options(p)

@@ -11,15 +11,18 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ssdsl.cli import positive_int
 from ssdsl.errors import SsdslError, UsageError
 
 OPTIMIZERS = ("model", "sgd", "momentum", "adamw")
 DTYPES = ("float32", "float64", "float16", "bfloat16", "tfloat32")
+# ssdsl.cost.profiles.profile_names(), written out: importing ssdsl.cost loads torch, which the
+# parser must not (`ssdsl --help` answers at once); a test keeps the two equal.
+DEVICES = ("v100", "a100", "h100", "cpu")
 
 
 def register(subparsers: Any) -> None:
     from ssdsl.cli.check import add_plan_options
-    from ssdsl.cost.profiles import profile_names
 
     p = subparsers.add_parser("cost", help="predict a plan's step time and memory on a device",
                               description="Trace MODEL on the meta device, apply PLAN and "
@@ -27,7 +30,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("model", metavar="MODEL", help="model file (.py)")
     p.add_argument("plan", metavar="PLAN", help="plan file or stdlib plan name")
     add_plan_options(p)
-    p.add_argument("--device", default="a100", choices=profile_names(),
+    p.add_argument("--device", default="a100", choices=DEVICES,
                    help="device profile (default: a100; cpu: measured by bench/bench_cost.py)")
     nodes = p.add_mutually_exclusive_group()
     nodes.add_argument("--per-node", type=int, default=None, metavar="K",
@@ -38,7 +41,7 @@ def register(subparsers: Any) -> None:
                    help="compute dtype (default float32; half dtypes keep fp32 master weights)")
     p.add_argument("--optimizer", default="model", choices=OPTIMIZERS,
                    help="optimizer state to count (default: the model file's optimizer)")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help="global batch size (default: the model file's BATCH_SIZE)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)

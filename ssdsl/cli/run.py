@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ssdsl.cli.check import parse_sets
 from ssdsl.errors import UsageError
 
@@ -81,24 +79,33 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here: the runtime pulls in torch.distributed, which other commands do not need.
-    from ssdsl.runtime.job import JobSpec
-    from ssdsl.runtime.launch import under_torchrun
-
     _check_flags(args)
     sets = parse_sets(args.set)
-    world = _world(args, sets, torchrun=under_torchrun())
-    first_step = _first_step(args)
-    spec = JobSpec(args.model, args.plan, tuple(sets.items()), args.steps, args.batch_size,
-                   args.seed, args.dtype, args.optimizer, args.lr, resume=args.resume,
-                   checkpoint=args.checkpoint, compiled=args.compiled)
-    result = _train(spec, args, world=world, first_step=first_step)
+    rank = torchrun_rank()
+    progress = _progress(args, rank)
+    with progress:
+        # The first line, before torch is imported (which takes seconds on a busy machine).
+        progress.phase("planning and verifying (trace the model, apply and check the plan, "
+                       "simulate one step of all ranks)")
+        from ssdsl.runtime.job import JobSpec  # the runtime: torch, torch.distributed
+        world = _world(args, sets, torchrun=rank is not None)
+        first_step = _first_step(args)
+        progress.configure(nproc=1 if rank is not None else world,
+                           steps=args.steps - first_step, first_step=first_step)
+        spec = JobSpec(args.model, args.plan, tuple(sets.items()), args.steps,
+                       args.batch_size, args.seed, args.dtype, args.optimizer, args.lr,
+                       resume=args.resume, checkpoint=args.checkpoint, compiled=args.compiled)
+        result = _train(spec, args, progress, world=world, rank=rank)
     if result is None:
         return 0  # a rank other than 0 under torchrun: rank 0 reports
-    result, progress, verification = result
+    result, verification = result
     if args.save:
         _saved_at(Path(args.save), save_atomically(result["params"], Path(args.save)))
-    verdict, precision = _check(args, spec, result, first_step) if args.check else (None, None)
+    verdict, precision = None, None
+    if args.check:
+        progress.after(f"checking: training the single-device reference for {args.steps} "
+                       f"step{'s' if args.steps != 1 else ''} and comparing")
+        verdict, precision = _check(args, spec, result, first_step)
     if args.json:
         doc = run_json(args, spec, result, progress, verdict)
         doc["verify"] = verification.as_dict()
@@ -116,15 +123,39 @@ def _check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+    if not args.timeout > 0:  # the job would be stopped as soon as it started
+        raise UsageError(f"--timeout must be above 0 seconds, not {args.timeout:g}")
+    if args.lr is not None and not args.lr >= 0:  # else every rank fails in torch.optim
+        raise UsageError(f"--lr must be at least 0, not {args.lr:g}")
     if args.save and Path(args.save).exists():
         raise UsageError(f"--save: {args.save} exists; ssdsl does not overwrite files",
                          hint="choose a new file name or remove the old one")
     if args.metrics and Path(args.metrics).exists():
         raise UsageError(f"--metrics: {args.metrics} exists; ssdsl does not overwrite files",
                          hint="choose a new file name or remove the old one")
-    if args.checkpoint and Path(args.checkpoint).exists() and any(Path(args.checkpoint).iterdir()):
-        raise UsageError(f"--checkpoint: {args.checkpoint} exists and is not empty; ssdsl does "
-                         "not overwrite checkpoints", hint="choose a new directory")
+    if args.checkpoint:
+        folder = Path(args.checkpoint)
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"--checkpoint: {folder} is a file, not a directory",
+                             hint="give a new directory; each rank writes its file into it")
+        if folder.exists() and any(folder.iterdir()):
+            raise UsageError(f"--checkpoint: {folder} exists and is not empty; ssdsl does "
+                             "not overwrite checkpoints", hint="choose a new directory")
+        _writable("--checkpoint", folder)  # before training, not after it
+    if args.metrics:
+        _writable("--metrics", Path(args.metrics).parent)
+
+
+def _writable(flag: str, folder: Path) -> None:
+    """Refuse, before anything runs, a folder that cannot be made or written: its nearest
+    existing ancestor must be a writable directory."""
+    import os
+    here = folder.absolute()
+    while not here.exists():
+        here = here.parent
+    if not here.is_dir() or not os.access(here, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}: cannot write into {folder} ({here} is not a writable "
+                         "directory)", hint="choose a path you can write")
 
 
 def _world(args: argparse.Namespace, sets: dict[str, str], *, torchrun: bool) -> int:
@@ -166,48 +197,61 @@ def _first_step(args: argparse.Namespace) -> int:
     return start
 
 
-def _train(spec: Any, args: argparse.Namespace, *, world: int, first_step: int):
-    """Launch (or, under torchrun, be one rank of) the job, showing progress; rank 0's result."""
+def torchrun_rank(environ: Any = None) -> int | None:
+    """This process's rank when it is one rank of a job (torchrun's, or one ``launch`` started),
+    else None: the rule of ``ssdsl.runtime.launch.under_torchrun``, read here without importing
+    torch."""
     import os
+    env = os.environ if environ is None else environ
+    if all(name in env for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")):
+        return int(env["RANK"])
+    return None
 
-    from ssdsl.runtime.job import launch_files, rank_main
-    from ssdsl.runtime.launch import launch, set_local_event_handler, under_torchrun
+
+def _progress(args: argparse.Namespace, rank: int | None) -> Any:
+    """What shows the run: lines or a live panel on stdout (stderr under --json), on rank 0 only
+    under torchrun; the --metrics file, made now (it is never an existing file)."""
     from ssdsl.runtime.progress import MetricsFile, make_progress
+    first = rank is None or rank == 0
+    try:
+        metrics = MetricsFile(args.metrics) if args.metrics and first else None
+    except OSError as exc:
+        raise UsageError(f"--metrics: cannot write {args.metrics}: {exc.strerror or exc}",
+                         hint="choose a path you can write") from exc
+    return make_progress(nproc=args.world or 1, steps=args.steps,
+                         title=f"ssdsl run {args.model} {args.plan}", metrics=metrics,
+                         stream=sys.stderr if args.json else sys.stdout,
+                         live=None if first else False)
 
-    torchrun = under_torchrun()
-    rank = 0
-    if torchrun:
-        rank = int(os.environ["RANK"])
-    metrics = MetricsFile(args.metrics) if args.metrics and rank == 0 else None
-    stream = sys.stderr if args.json else sys.stdout
-    progress = make_progress(nproc=1 if torchrun else world, steps=args.steps - first_step,
-                             first_step=first_step, title=f"ssdsl run {args.model} {args.plan}",
-                             metrics=metrics, stream=stream,
-                             live=None if rank == 0 else False)
-    with progress:
-        progress.phase("planning and verifying (trace the model, apply and check the plan, "
-                       "simulate one step of all ranks)")
-        if torchrun:
-            # Under torchrun every rank plans and verifies (the same, deterministic answer), so
-            # all stop together; each process sees only its own events, rank 0 shows them.
-            verification = _verify(spec, world, args, rank)
-            if rank == 0:
-                set_local_event_handler(progress.on_event)
-            try:
-                result = rank_main(spec)
-            finally:
-                set_local_event_handler(None)
-            return None if result is None else (result, progress, verification)
-        # Plan once here, exactly as every rank will (they plan from this traced graph, whose
-        # programs are checked here): a bad model file or plan fails now, once, with its
-        # location and exit status 2, instead of in N processes after they started; then verify
-        # it against the plain model (DESIGN §7), or say that it was not.
-        with launch_files(spec, world) as planned:
-            verification = _verify(spec, world, args, rank, planned=planned.m)
-            progress.phase(f"starting {world} rank{'s' if world > 1 else ''}")
-            result = launch(rank_main, nproc=world, args=(planned.spec,),
-                            timeout_s=args.timeout, on_event=progress.on_event)[0]
-        return result, progress, verification
+
+def _train(spec: Any, args: argparse.Namespace, progress: Any, *, world: int,
+           rank: int | None):
+    """Launch (or, under torchrun, be one rank of) the job, showing progress; rank 0's result
+    and the verification before launch, or None on the other ranks under torchrun."""
+    from ssdsl.runtime.job import launch_files, rank_main
+    from ssdsl.runtime.launch import launch, set_local_event_handler
+
+    if rank is not None:
+        # Under torchrun every rank plans and verifies (the same, deterministic answer), so
+        # all stop together; each process sees only its own events, rank 0 shows them.
+        verification = _verify(spec, world, args, rank)
+        if rank == 0:
+            set_local_event_handler(progress.on_event)
+        try:
+            result = rank_main(spec)
+        finally:
+            set_local_event_handler(None)
+        return None if result is None else (result, verification)
+    # Plan once here, exactly as every rank will (they plan from this traced graph, whose
+    # programs are checked here): a bad model file or plan fails now, once, with its
+    # location and exit status 2, instead of in N processes after they started; then verify
+    # it against the plain model (DESIGN §7), or say that it was not.
+    with launch_files(spec, world) as planned:
+        verification = _verify(spec, world, args, 0, planned=planned.m)
+        progress.phase(f"starting {world} rank{'s' if world > 1 else ''}")
+        result = launch(rank_main, nproc=world, args=(planned.spec,),
+                        timeout_s=args.timeout, on_event=progress.on_event)[0]
+    return result, verification
 
 
 def _verify(spec: Any, world: int, args: argparse.Namespace, rank: int, *,
@@ -240,6 +284,7 @@ def _check(args: argparse.Namespace, spec: Any, result: dict, first_step: int):
     expected = RunRecord(losses=ref.losses[first_step:],
                          final_state={k: v for k, v in ref.final_state.items()
                                       if k in result["params"]})
+    import torch
     precision = _precision(args.model, DTYPES[args.dtype])
     check_dtype = torch.bfloat16 if args.dtype == "bfloat16" else precision.dtype
     verdict = compare_runs(expected, mine, tolerance=tolerance_for(check_dtype,
@@ -323,6 +368,8 @@ def save_atomically(state: dict, path: Path) -> Path:
     """
     import os
     import tempfile
+
+    import torch
 
     from ssdsl.runtime.checkpoint import current_umask
     try:

@@ -16,14 +16,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
-from ssdsl.check import CommModel, check_schedule
 from ssdsl.cli.check import add_plan_options, elaborate_from_args
 from ssdsl.errors import UsageError
-from ssdsl.schedule.lower import lower_schedule
-from ssdsl.schedule.picture import row_names, timeline_svg, timeline_text
-from ssdsl.schedule.simulate import Costs, simulate
 
 
 def register(subparsers: Any) -> None:
@@ -97,9 +91,19 @@ def fresh_name(stem: str, suffix: str = ".svg") -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not with the parser: ssdsl.check loads torch.
+    from rich.console import Console
+
+    from ssdsl.check import CommModel, check_schedule
+    from ssdsl.schedule.lower import lower_schedule
+    from ssdsl.schedule.picture import row_names, timeline_svg, timeline_text
+    from ssdsl.schedule.simulate import Costs, simulate
+
     targets = args.targets
     if len(targets) > 2 or (len(targets) == 2 and not targets[0].endswith(".py")):
         raise UsageError("show takes [MODEL] PLAN, the model file ending in .py")
+    if args.output and not args.no_picture and Path(args.output).suffix not in (".svg", ".png"):
+        raise UsageError(f"-o {args.output}: the picture must end in .svg or .png")
     plan = elaborate_from_args(targets[-1], args)
     assumed = args.world is None and not any(item.split("=", 1)[0].strip() == "world"
                                              for item in args.sets)

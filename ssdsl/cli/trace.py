@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from ssdsl.trace import trace
-from ssdsl.trace.model_file import load_model_file
-from ssdsl.trace.table import op_rows, shape_text, splittable_text
+from ssdsl.cli import positive_int
+
+# torch (through ssdsl.trace) is imported when the command runs, not when the parser is built:
+# `ssdsl --help`, `--version` and a mistyped flag answer without loading it.
 
 
 def register(subparsers) -> None:
@@ -17,12 +18,16 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help='print JSON (docs/json.md) instead of a table')
     p.add_argument("--device", default="meta", choices=("meta", "cpu"),
                    help="device to build the model on (default: meta)")
-    p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the "
+    p.add_argument("--batch-size", type=positive_int, default=None, help="batch size (default: the "
                    "model file's BATCH_SIZE)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ssdsl.trace import trace
+    from ssdsl.trace.model_file import load_model_file
+    from ssdsl.trace.table import op_rows
+
     graph = trace(load_model_file(args.model), device=args.device, batch_size=args.batch_size)
     rows = op_rows(graph)
     if args.json:
@@ -39,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(rows: list[dict], model: str, n_params: int) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from ssdsl.trace.table import shape_text, splittable_text
 
     table = Table(title=f"{model}: {len(rows)} operators, {n_params} parameters",
                   title_justify="left")

@@ -289,7 +289,17 @@ def load_source(path: str | Path) -> Mapping[str, Any]:
     if not p.is_file():
         raise CheckpointError(f"no checkpoint at {p}",
                               hint="give the directory --checkpoint wrote, or a state-dict file")
-    return torch.load(p, weights_only=False)
+    try:
+        data = torch.load(p, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same mistake
+        raise CheckpointError(f"{p} is neither a checkpoint nor a state dict: torch.load says "
+                              f"{type(exc).__name__}: {str(exc)[:200]}",
+                              hint="give the directory --checkpoint wrote, a file `ssdsl merge` "
+                              "or --save wrote, or a state dict saved with torch.save") from exc
+    if not isinstance(data, Mapping):
+        raise CheckpointError(f"{p} holds a {type(data).__name__}, not a state dict",
+                              hint="save `model.state_dict()`, not the model itself")
+    return data
 
 
 def checkpoint_step(path: str | Path) -> int:

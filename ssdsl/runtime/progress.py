@@ -27,9 +27,32 @@ from typing import IO, Any
 
 import attrs
 
-from ssdsl.runtime.train import StepMetrics, human_bytes
 from ssdsl.schema import SCHEMA_VERSION
 
+# No torch here: ``ssdsl run`` shows its first line before torch is imported.
+
+
+@attrs.frozen
+class StepMetrics:
+    """One rank's numbers for one step (sent to the launcher as an event)."""
+
+    rank: int
+    step: int
+    loss: float | None
+    step_s: float
+    samples_per_s: float
+    comm_bytes: int
+    peak_memory_bytes: int
+    tokens_per_s: float | None = None  # when the inputs are token ids (``train.tokens_in``)
+
+
+def human_bytes(n: float) -> str:
+    """``219.0 KiB``: bytes in binary units."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 @attrs.frozen
@@ -90,7 +113,8 @@ class RunSummary:
     """The figures of a whole run, from its step rows (what the summary and ``--json`` show)."""
 
     steps: int
-    wall_s: float
+    wall_s: float                  # the whole command so far: planning, start-up, training
+    train_s: float                 # the training steps themselves (their rows' times, summed)
     first_loss: float | None
     last_loss: float | None
     median_step_s: float
@@ -106,13 +130,14 @@ class RunSummary:
         rates are the batch over that median, computed exactly as each step row's."""
         timed = list(rows[warmup:]) or list(rows)
         if not timed:
-            return cls(0, wall_s, None, None, 0.0, 0.0, None, 0, 0, 0)
+            return cls(0, wall_s, 0.0, None, None, 0.0, 0.0, None, 0, 0, 0)
         median = statistics.median(r.step_s for r in timed)
         ref = timed[0]
         per_step_samples = ref.samples_per_s * ref.step_s
         per_step_tokens = None if ref.tokens_per_s is None else ref.tokens_per_s * ref.step_s
         peak = max((m for r in rows for m in r.ranks), key=lambda m: m.peak_memory_bytes)
-        return cls(steps=len(rows), wall_s=wall_s, first_loss=rows[0].loss,
+        return cls(steps=len(rows), wall_s=wall_s, train_s=sum(r.step_s for r in rows),
+                   first_loss=rows[0].loss,
                    last_loss=rows[-1].loss, median_step_s=median,
                    samples_per_s=per_step_samples / median if median else 0.0,
                    tokens_per_s=(per_step_tokens / median if median and per_step_tokens
@@ -127,8 +152,9 @@ class RunSummary:
         rate = f"{self.samples_per_s:,.0f} samples/s"
         if self.tokens_per_s is not None:
             rate += f", {self.tokens_per_s:,.0f} tokens/s"
-        return [f"trained {self.steps} steps in {self.wall_s:.1f} s: loss {loss(self.first_loss)}"
-                f" -> {loss(self.last_loss)}",
+        return [f"trained {self.steps} step{'s' if self.steps != 1 else ''} in "
+                f"{_seconds(self.train_s)} ({_seconds(self.wall_s)} in all, with planning and "
+                f"start-up): loss {loss(self.first_loss)} -> {loss(self.last_loss)}",
                 f"  step time  {self.median_step_s * 1e3:.1f} ms (median after the first step, "
                 f"slowest rank); {rate}",
                 f"  peak mem   {human_bytes(self.peak_memory_bytes)} (rank "
@@ -138,6 +164,11 @@ class RunSummary:
         data = attrs.asdict(self)
         data["median_step_ms"] = data.pop("median_step_s") * 1e3
         return data
+
+
+def _seconds(s: float) -> str:
+    """``0.12 s``, ``1.6 s``, ``42 s``: two significant figures or more."""
+    return f"{s:.2f} s" if s < 1 else f"{s:.1f} s" if s < 100 else f"{s:.0f} s"
 
 
 class Progress:
@@ -156,13 +187,17 @@ class Progress:
         self.phases: dict[int, str] = {}
         self._pending: dict[int, dict[int, StepMetrics]] = {}
         self.started = time.monotonic()
+        self.ended: float | None = None  # set when the progress closes (training is over)
 
     def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.ended = time.monotonic()
         if self.metrics is not None:
-            self.metrics.close()
+            # a run that failed before its first step leaves no empty file behind (which
+            # would make the same command, run again, refuse its --metrics path)
+            self.metrics.close(discard_empty=exc[0] is not None)
 
     def on_event(self, rank: int, event: Any) -> None:
         """``launch(..., on_event=progress.on_event)``."""
@@ -182,12 +217,25 @@ class Progress:
                 self.show_row(row)
             self.refresh()
 
+    def configure(self, *, nproc: int, steps: int, first_step: int) -> None:
+        """The job's shape, once it is known (the progress starts before it is, so that the
+        first line comes before torch is loaded); before any event arrives."""
+        self.nproc, self.steps, self.first_step = nproc, steps, first_step
+        self.refresh()
+
     def phase(self, name: str) -> None:
         """A phase of the launcher itself (planning before the ranks start, saving after)."""
         self.show_phase(name, rank=None)
 
     def summary(self, *, warmup: int = 1) -> RunSummary:
-        return RunSummary.of(self.rows, wall_s=time.monotonic() - self.started, warmup=warmup)
+        """The run's figures; its wall time ends where training ended (not after a --check)."""
+        end = self.ended if self.ended is not None else time.monotonic()
+        return RunSummary.of(self.rows, wall_s=end - self.started, warmup=warmup)
+
+    def after(self, text: str) -> None:
+        """A line about what the launcher does once training is over (the --check reference),
+        so that a long wait after the last step is never silent."""
+        self.show_after(f"[{time.monotonic() - self.started:6.1f} s] {text}")
 
     # what subclasses show
     def show_phase(self, text: str, *, rank: int | None) -> None:
@@ -197,6 +245,9 @@ class Progress:
         pass
 
     def refresh(self) -> None:
+        pass
+
+    def show_after(self, line: str) -> None:
         pass
 
 
@@ -218,6 +269,9 @@ class LineProgress(Progress):
 
     def show_row(self, row: StepRow) -> None:
         self._write(row.line(self.first_step + self.steps))
+
+    def show_after(self, line: str) -> None:
+        self._write(line)
 
     def _write(self, line: str) -> None:
         self.stream.write(line + "\n")
@@ -257,6 +311,9 @@ class LiveProgress(Progress):
 
     def refresh(self) -> None:
         self._live.update(self.render())
+
+    def show_after(self, line: str) -> None:
+        self.console.print(line, highlight=False)
 
     def header(self) -> str:
         elapsed = time.monotonic() - self.started
@@ -314,11 +371,17 @@ class MetricsFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # "x": an existing file is never replaced; ssdsl does not overwrite files it did not make
         self._f = open(self.path, "x", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self.rows = 0
 
     def write(self, row: StepRow) -> None:
         self._f.write(json.dumps(row.as_json()) + "\n")
         self._f.flush()
+        self.rows += 1
 
-    def close(self) -> None:
+    def close(self, *, discard_empty: bool = False) -> None:
+        """Close the file; with ``discard_empty``, remove it when no row was written (it is
+        the file this object made: ``open(..., "x")`` never takes an existing one)."""
         if not self._f.closed:
             self._f.close()
+            if discard_empty and self.rows == 0:
+                self.path.unlink(missing_ok=True)

@@ -27,6 +27,9 @@ import attrs
 import torch
 
 from ssdsl.errors import SsdslError
+# defined beside the progress display, which loads no torch (the first line of `ssdsl run`
+# is shown before torch is imported); re-exported here, where the loop makes them
+from ssdsl.runtime.progress import StepMetrics, human_bytes  # noqa: F401
 from ssdsl.trace.model_file import ModelFile
 
 OPTIMIZER_KINDS = ("model", "sgd", "adamw")
@@ -101,20 +104,6 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
-
-
-@attrs.frozen
-class StepMetrics:
-    """One rank's numbers for one step (sent to the launcher as an event)."""
-
-    rank: int
-    step: int
-    loss: float | None
-    step_s: float
-    samples_per_s: float
-    comm_bytes: int
-    peak_memory_bytes: int
-    tokens_per_s: float | None = None  # when the inputs are token ids (see ``tokens_in``)
 
 
 @attrs.frozen
@@ -193,14 +182,6 @@ def tokens_in(inputs: Sequence[torch.Tensor]) -> int | None:
 
 
 # ----------------------------------------------------------------------------- showing a run
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 @attrs.frozen
