@@ -61,9 +61,9 @@ class _Builder:
         flowing: dict[str, int] = {}
         chosen: dict[str, str | None] = {}
         for name in names:
-            chosen[name] = labels[name] or self._follow(name, flowing)
+            chosen[name] = labels[name] or self._follow(name, flowing, d.parts)
             if chosen[name] is not None:
-                self._record(name, chosen[name], flowing)
+                self._record(name, chosen[name], flowing, outer=True)
         wanted: dict[str, tuple[int, int, int]] = {}
         for name in reversed(names):
             if chosen[name] is None:
@@ -81,17 +81,24 @@ class _Builder:
             self.notes.append(f"{d.span}: {len(lacking)} operator(s) without dim '{d.dim}' "
                               f"replicated into {d.parts} (e.g. '{lacking[0]}')")
 
-    def _record(self, name: str, label: str, flowing: dict[str, int]) -> None:
-        """Note which dim of each output of ``name`` the split ``label`` lies on."""
+    def _record(self, name: str, label: str, flowing: dict[str, int], outer: bool = False
+                ) -> None:
+        """Note which dim of each output of ``name`` the split ``label`` lies on (with
+        ``outer``, also a dim whose outermost factor it is)."""
         ann = self.anns[name]
         op = self.graph.op(name)
         for tensor, sig in zip(op.outputs, ann.outputs):
             for dim, factors in enumerate(sig):
-                if len(factors) == 1 and factors[0].label == label:
+                # the label is the whole dim, or its outermost factor (a GroupNorm's groups):
+                # either way each part holds one contiguous block of the dim
+                if factors and factors[0].label == label and (outer or len(factors) == 1):
                     flowing[tensor] = dim
 
-    def _follow(self, name: str, flowing: dict[str, int]) -> str | None:
-        """The spatial label of ``name`` that a split input dim flows into, if any."""
+    def _follow(self, name: str, flowing: dict[str, int], parts: int | None = None
+                ) -> str | None:
+        """The spatial label of ``name`` that a split input dim flows into, if any: the dim's
+        label, or (given ``parts``) its outermost factor when that divides into ``parts`` (equal
+        contiguous blocks of the dim, as the producer's split makes them)."""
         ann = self.anns[name]
         if isinstance(ann, NotAnnotated):
             return None
@@ -99,9 +106,11 @@ class _Builder:
         op = self.graph.op(name)
         for tensor, sig in zip(op.inputs, ann.inputs):
             dim = flowing.get(tensor)
-            if dim is None or dim >= len(sig) or len(sig[dim]) != 1:
+            if dim is None or dim >= len(sig) or not sig[dim]:
                 continue
             label = sig[dim][0].label
+            if len(sig[dim]) > 1 and (parts is None or sig[dim][0].size % parts):
+                continue
             if marks[label].mark == "spatial":
                 return label
         return None
