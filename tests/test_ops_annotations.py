@@ -94,6 +94,7 @@ def _elementwise_samples() -> dict[str, list]:
         "aten.fill_.Scalar": [([r(4, 6), 3.0], {})],
         "aten.fill_.Tensor": [([r(4, 6), torch.tensor(3.0, dtype=D)], {})],
         "aten.zero_.default": [([r(4, 6)], {})],
+        "aten.detach_.default": [([r(4, 6)], {})],
         "aten.clamp_.default": [([r(4, 6), -0.5, 0.5], {})],
         "aten.clamp_min_.default": [([r(4, 6), 0.0], {})],
         "aten.clamp_max_.default": [([r(4, 6), 0.0], {})],
