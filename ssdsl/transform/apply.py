@@ -17,7 +17,17 @@ from ssdsl.transform.errors import (
 )
 from ssdsl.transform.normalize import normalize_losses
 from ssdsl.transform.parts import Part, Transformed, row_major, split_ranges, whole_part
+from ssdsl.trace.table import plan_word
 from ssdsl.transform.select import part_prefix, select_ops
+
+
+def _plan_dims(ann: Annotation) -> str:
+    """The dims a plan can name, as it writes them: the flowing name or word (``batch``,
+    ``heads``, ``out``) else the label with factors as ``k_1``; frozen dims left out."""
+    words = {label: word for word, label in ann.words.items()}
+    names = [plan_word(ann.names.get(n) or words.get(n) or n)
+             for n, lab in ann.labels().items() if lab.mark != "frozen"]
+    return ", ".join(dict.fromkeys(names)) or "none that can be split"
 
 
 
@@ -175,7 +185,7 @@ class _Builder:
                 require(ann, op)
             except NotAnnotatedError as err:
                 return err.message
-        has = ", ".join(ann.labels()) if isinstance(ann, Annotation) else "none"
+        has = _plan_dims(ann) if isinstance(ann, Annotation) else "none"
         many = f" (nor do {len(names) - 1} other selected operators)" if len(names) > 1 else ""
         return (f"operator '{op.name}' ({op.kind}, in '{op.module or '<top>'}') has no dim "
                 f"'{dim}'{many}; its dims: {has}")

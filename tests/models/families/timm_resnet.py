@@ -12,6 +12,7 @@ def build_model():
         def __init__(self, c, **kw):
             super().__init__(4, c, **kw)
     return ResNet(block=BasicBlock, layers=(1, 1, 1, 1), num_classes=CLASSES, stem_width=16,
+                  channels=(16, 16, 32, 32),
                   norm_layer=GN, drop_rate=0.0)
 def get_batch(step, batch_size):
     g = torch.Generator().manual_seed(800 + step)
