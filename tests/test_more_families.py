@@ -91,3 +91,26 @@ def test_tensor_parallel_is_the_megatron_minimum(capsys, family: str) -> None:
 # Mixer's two MLPs in each of 2 blocks
 ROW_PARALLEL = {"hf_opt": 4, "hf_qwen2": 4, "hf_gptneo": 4, "hf_roberta": 4, "hf_t5": 8,
                 "timm_deit": 4, "timm_convnext": 4, "timm_mixer": 4, "timm_resnet": 4}
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TRACED = [pytest.param(HERE / f"{f}.py", marks=v[0], id=f) for f, v in FAMILIES.items()] + [
+    pytest.param(EXAMPLES / f"{e}.py", marks=m, id=e)
+    for e, m in [("hf_gpt2", HF), ("hf_llama", HF), ("hf_bert", HF), ("timm_vit", TIMM),
+                 ("timm_swin", TIMM)]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", TRACED)
+def test_every_operator_is_annotated(path: Path) -> None:
+    """Issue 16: every ATen operator these models trace to has an annotation (none is left
+    replicate-only; GPT-Neo's in-place ``detach_`` was the last one)."""
+    from ssdsl.ops import NotAnnotated, annotate
+    from ssdsl.trace import trace
+    from ssdsl.trace.model_file import load_model_file
+
+    mf = load_model_file(path)
+    graph = trace(mf, device="meta")
+    missing = [(op.name, op.target, a.reason) for op in graph.ops
+               if isinstance(a := annotate(graph, op), NotAnnotated)]
+    assert not missing
