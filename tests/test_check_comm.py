@@ -42,3 +42,13 @@ def test_verify_passes_and_reports_a_simulated_step(capsys):
 def test_verify_without_model_is_a_usage_error(capsys):
     assert main(["check", "dp", "--verify"]) == 2
     assert "--verify needs a model" in capsys.readouterr().err
+
+
+def test_program_prints_a_rank_program_that_reads_back(capsys):
+    """``--program R`` prints rank R's lowered program (it raised NameError once); the text
+    reads back with ``ssdsl.lower.parse_program``."""
+    from ssdsl.lower import parse_program
+
+    assert main(["check", GPT, "dp", "--world", "2", "--program", "1"]) == 0
+    text = capsys.readouterr().out
+    assert parse_program(text).rank == 1

@@ -34,6 +34,15 @@ def test_a_float64_model_computes_in_float64() -> None:
     assert p.dtype == torch.float64 and p.note() is None
 
 
+def test_a_float32_tensor_made_from_constants_does_not_lower_the_precision() -> None:
+    # OPT's torch.ones mask: float32, but nothing trained is computed in it
+    path = ROOT / "tests" / "models" / "float32_constant.py"
+    graph = _graph(path, torch.float64)
+    assert any(t.dtype == "torch.float32" for t in graph.tensors.values())  # the premise
+    p = computing_precision(graph, torch.float64)
+    assert p.dtype == torch.float64 and p.note() is None
+
+
 @pytest.mark.slow
 def test_run_check_uses_the_model_precision(capsys) -> None:
     from ssdsl.cli import main

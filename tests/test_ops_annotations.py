@@ -94,6 +94,7 @@ def _elementwise_samples() -> dict[str, list]:
         "aten.fill_.Scalar": [([r(4, 6), 3.0], {})],
         "aten.fill_.Tensor": [([r(4, 6), torch.tensor(3.0, dtype=D)], {})],
         "aten.zero_.default": [([r(4, 6)], {})],
+        "aten.detach_.default": [([r(4, 6)], {})],
         "aten.clamp_.default": [([r(4, 6), -0.5, 0.5], {})],
         "aten.clamp_min_.default": [([r(4, 6), 0.0], {})],
         "aten.clamp_max_.default": [([r(4, 6), 0.0], {})],
@@ -180,7 +181,9 @@ def _samples() -> dict[str, list]:
         "aten.cumsum.default": [([x, 2], {})],
         "aten.layer_norm.default": [([x, [6], r(6), r(6), 1e-5], {}), ([x, [4, 6]], {})],
         "aten.rms_norm.default": [([x, [6], r(6), 1e-6], {})],
-        "aten.group_norm.default": [([r(2, 4, 3, 3), 2, r(4), r(4)], {})],
+        "aten.group_norm.default": [([r(2, 4, 3, 3), 2, r(4), r(4)], {}),
+                                    ([r(2, 8, 3, 3), 4, r(8), r(8), 1e-5], {}),
+                                    ([r(2, 6, 2, 2), 3], {}), ([r(2, 4, 3), 1, r(4), r(4)], {})],
         "aten.scaled_dot_product_attention.default": [
             ([r(2, 4, 6, 4, seed=1), r(2, 4, 6, 4, seed=2), r(2, 4, 6, 2, seed=3)],
              {"is_causal": True}),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ssdsl.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,3 +40,26 @@ def test_microbatches_that_do_not_divide_the_batch(capsys):
     assert main(["check", GPT, "1f1b", "--world", "2", "--set", "microbatches=3"]) == 2
     err = capsys.readouterr().err
     assert "1f1b.ssp:" in err and "the batch has 8 rows" in err and "into 3 parts" in err
+
+
+
+def test_a_missing_dim_lists_the_dims_as_a_plan_writes_them():
+    """A linear has no heads (MLP-Mixer's token MLP under megatron_tp): the error lists what the
+    plan may write instead, the batch and the words ``out``/``in``, not the labels ``b0``,
+    ``n``, ``k`` (nor a factor with a dot, which the grammar cannot express)."""
+    from ssdsl.elaborate import elaborate_text
+    from ssdsl.trace import trace
+    from ssdsl.trace.model_file import load_model_file
+    from ssdsl.transform import transform
+    from ssdsl.transform.errors import MissingDim
+
+    mf = load_model_file(ROOT / "examples" / "mlp.py")
+    graph = trace(mf, device="meta")
+    plan = elaborate_text("plan p(n: int = world)\npartition kind(linear) along heads into n\n"
+                          "replicate rest into n\nassign each part i to device i\n", "p.ssp",
+                          world=2)
+    with pytest.raises(MissingDim) as info:
+        transform(graph, plan)
+    listed = info.value.message.split("its dims: ")[1].split(", ")
+    assert {"batch", "out"} <= set(listed), listed  # the contracted dim: "features" here
+    assert not {"b0", "n", "k"} & set(listed) and not any("." in d for d in listed), listed

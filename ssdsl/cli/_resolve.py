@@ -7,6 +7,7 @@ which dims were split into how many, how many copies, and the devices that hold 
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any

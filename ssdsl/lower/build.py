@@ -446,7 +446,10 @@ class _RankLowering:
             return  # the checker names a backward without its forward
         for item in reversed(items):
             if isinstance(item, _Segment):
-                if item.seeds or item.roots:
+                # a segment may hold only cuts that a later segment reads (a weight cut after
+                # one communication point of its consumer's inputs and before the next): its
+                # backward runs no autograd but must still collect their gradients
+                if item.seeds or item.roots or item.collect:
                     self.out.append(Backward(tuple(item.seeds), tuple(item.roots),
                                              tuple(item.collect), span=item.span or span))
             else:

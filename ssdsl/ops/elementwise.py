@@ -42,7 +42,7 @@ IN_PLACE = (
     + [f"aten.{n}_.Tensor" for n in ["add", "sub", "mul", "div"]]
     + [f"aten.{n}_.Scalar" for n in ["add", "sub", "mul", "div", "fill", "masked_fill"]]
     + ["aten.masked_fill_.Tensor", "aten.fill_.Tensor", "aten.copy_.default", "aten.clamp_.default",
-       "aten.clamp_min_.default", "aten.clamp_max_.default"]
+       "aten.clamp_min_.default", "aten.clamp_max_.default", "aten.detach_.default"]
 )
 
 

@@ -3,8 +3,11 @@ batch and sequence, are spatial."""
 
 from __future__ import annotations
 
-from ssdsl.ops.build import dims, plain
-from ssdsl.ops.core import Annotation, Call, Factor, register
+import math
+from collections.abc import Mapping
+
+from ssdsl.ops.build import dims, extent, plain, set_arg
+from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, register
 
 
 @register("aten.layer_norm.default", "aten.rms_norm.default")
@@ -21,9 +24,33 @@ def layer_norm(call: Call) -> Annotation:
 
 @register("aten.group_norm.default")
 def group_norm(call: Call) -> Annotation:
+    """The channel dim is ``(groups, channels per group)``: statistics are per example and per
+    group, so the batch and the groups may be split (a part normalizes its own groups, with
+    ``num_groups`` its share); the channels inside a group and the spatial dims are frozen. A
+    split of the outer factor is a contiguous block of channels, so a convolution split by its
+    output channels feeds its norm without communication."""
     x = call.shape(0, "input")
+    groups = int(call.arg(1, "num_groups"))
     labels = dims(len(x))
-    frozen = {lab: "normalized over" for lab in labels[1:]}
-    affine = ((Factor(labels[1], x[1]),),)
-    ins = [plain(labels, x)] + [affine] * (len(call.op.inputs) - 1)
-    return Annotation(tuple(ins), (plain(labels, x),), frozen=frozen)
+    frozen = {lab: "normalized over" for lab in labels[2:]}
+    if len(x) < 2 or groups <= 1 or x[1] % groups:
+        frozen[labels[1]] = "normalized over"
+        channel: tuple[Factor, ...] = (Factor(labels[1], x[1] if len(x) > 1 else 1),)
+    else:
+        g, c = f"{labels[1]}.0", f"{labels[1]}.1"
+        frozen[c] = "normalized over (the channels of one group)"
+        channel = (Factor(g, groups), Factor(c, x[1] // groups))
+    sig = ((Factor(labels[0], x[0]),), channel, *plain(labels[2:], x[2:]))
+    ins = [sig] + [(channel,)] * (len(call.op.inputs) - 1)
+    return Annotation(tuple(ins), (sig,), frozen=frozen, lower=_local_groups)
+
+
+def _local_groups(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
+                  kwargs: dict) -> LocalCall:
+    """A part holding some of the groups normalizes that many groups."""
+    channel = ann.inputs[0][1]
+    if len(channel) < 2:  # not cut into groups: the whole channel dim, unchanged
+        return LocalCall(call.op.target, args, tuple(kwargs.items()))
+    held = math.prod(extent(f, ranges) for f in channel)
+    args, kw = set_arg(args, kwargs, 1, "num_groups", held // channel[-1].size)
+    return LocalCall(call.op.target, args, kw)

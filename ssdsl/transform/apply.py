@@ -17,7 +17,17 @@ from ssdsl.transform.errors import (
 )
 from ssdsl.transform.normalize import normalize_losses
 from ssdsl.transform.parts import Part, Transformed, row_major, split_ranges, whole_part
+from ssdsl.trace.table import plan_word
 from ssdsl.transform.select import part_prefix, select_ops
+
+
+def _plan_dims(ann: Annotation) -> str:
+    """The dims a plan can name, as it writes them: the flowing name or word (``batch``,
+    ``heads``, ``out``) else the label with factors as ``k_1``; frozen dims left out."""
+    words = {label: word for word, label in ann.words.items()}
+    names = [plan_word(ann.names.get(n) or words.get(n) or n)
+             for n, lab in ann.labels().items() if lab.mark != "frozen"]
+    return ", ".join(dict.fromkeys(names)) or "none that can be split"
 
 
 
@@ -61,9 +71,9 @@ class _Builder:
         flowing: dict[str, int] = {}
         chosen: dict[str, str | None] = {}
         for name in names:
-            chosen[name] = labels[name] or self._follow(name, flowing)
+            chosen[name] = labels[name] or self._follow(name, flowing, d.parts)
             if chosen[name] is not None:
-                self._record(name, chosen[name], flowing)
+                self._record(name, chosen[name], flowing, outer=True)
         wanted: dict[str, tuple[int, int, int]] = {}
         for name in reversed(names):
             if chosen[name] is None:
@@ -81,17 +91,24 @@ class _Builder:
             self.notes.append(f"{d.span}: {len(lacking)} operator(s) without dim '{d.dim}' "
                               f"replicated into {d.parts} (e.g. '{lacking[0]}')")
 
-    def _record(self, name: str, label: str, flowing: dict[str, int]) -> None:
-        """Note which dim of each output of ``name`` the split ``label`` lies on."""
+    def _record(self, name: str, label: str, flowing: dict[str, int], outer: bool = False
+                ) -> None:
+        """Note which dim of each output of ``name`` the split ``label`` lies on (with
+        ``outer``, also a dim whose outermost factor it is)."""
         ann = self.anns[name]
         op = self.graph.op(name)
         for tensor, sig in zip(op.outputs, ann.outputs):
             for dim, factors in enumerate(sig):
-                if len(factors) == 1 and factors[0].label == label:
+                # the label is the whole dim, or its outermost factor (a GroupNorm's groups):
+                # either way each part holds one contiguous block of the dim
+                if factors and factors[0].label == label and (outer or len(factors) == 1):
                     flowing[tensor] = dim
 
-    def _follow(self, name: str, flowing: dict[str, int]) -> str | None:
-        """The spatial label of ``name`` that a split input dim flows into, if any."""
+    def _follow(self, name: str, flowing: dict[str, int], parts: int | None = None
+                ) -> str | None:
+        """The spatial label of ``name`` that a split input dim flows into, if any: the dim's
+        label, or (given ``parts``) its outermost factor when that divides into ``parts`` (equal
+        contiguous blocks of the dim, as the producer's split makes them)."""
         ann = self.anns[name]
         if isinstance(ann, NotAnnotated):
             return None
@@ -99,9 +116,11 @@ class _Builder:
         op = self.graph.op(name)
         for tensor, sig in zip(op.inputs, ann.inputs):
             dim = flowing.get(tensor)
-            if dim is None or dim >= len(sig) or len(sig[dim]) != 1:
+            if dim is None or dim >= len(sig) or not sig[dim]:
                 continue
             label = sig[dim][0].label
+            if len(sig[dim]) > 1 and (parts is None or sig[dim][0].size % parts):
+                continue
             if marks[label].mark == "spatial":
                 return label
         return None
@@ -166,7 +185,7 @@ class _Builder:
                 require(ann, op)
             except NotAnnotatedError as err:
                 return err.message
-        has = ", ".join(ann.labels()) if isinstance(ann, Annotation) else "none"
+        has = _plan_dims(ann) if isinstance(ann, Annotation) else "none"
         many = f" (nor do {len(names) - 1} other selected operators)" if len(names) > 1 else ""
         return (f"operator '{op.name}' ({op.kind}, in '{op.module or '<top>'}') has no dim "
                 f"'{dim}'{many}; its dims: {has}")
