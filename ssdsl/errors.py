@@ -6,7 +6,7 @@ hint, then exits with status 2. Phases that find several independent faults rais
 (sorted by position) instead of stopping at the first.
 
 Subclasses live next to the rule that raises them (``ssdsl.parse.errors``, ...); they only need a
-class docstring and, when useful, a default ``hint``.
+class docstring and, when useful, a ``default_hint`` (used when the raising site gives none).
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ from ssdsl.source import Span
 class SsdslError(Exception):
     """Root of every error caused by user input; the CLI shows these without a traceback."""
 
+    #: What to do about it when the raising site gives no hint of its own (a class attribute).
+    default_hint: str | None = None
+
     def __init__(self, message: str, span: Span | None = None, *, hint: str | None = None,
                  file: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.span = span
-        self.hint = hint
+        self.hint = hint if hint is not None else type(self).default_hint
         # For faults located in a file but not at a line (a model file missing a function, say).
         self.file = file if file is not None else (span.file if span else None)
 

@@ -49,6 +49,7 @@ def test_bad_plan(path: Path):
     rendered = err.render()
     assert rendered.startswith(f"{err.span.file}:{line}:{column}: ")
     assert "^" in rendered  # the source line with carets under the span
+    assert "\nhint: " in rendered  # and what to do about it
     if file != path.name:  # a fault inside a used plan names the user's `use` line too
         site = err.span.via
         while site is not None and site.via is not None:  # the outermost `use`: the user's
@@ -57,13 +58,17 @@ def test_bad_plan(path: Path):
         assert f"note: in the plan used at {site.file}:" in rendered, rendered
 
 
-@pytest.mark.parametrize("path", FILES[:5], ids=[p.stem for p in FILES[:5]])
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
 def test_cli_exit_status_two_without_traceback(path: Path, capsys):
+    """What `ssdsl check` prints for each wrong plan: exit status 2, the position, no traceback,
+    under 40 lines."""
     assert main(["check", str(path), "--world", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "Traceback" not in text
+    assert len(text.splitlines()) < 40, text
     cls, line, column, _ = _expectation(path)
-    assert f":{line}:{column}: " in err
+    assert f":{line}:{column}: " in text
 
 
 def test_debug_shows_the_traceback():
