@@ -37,19 +37,20 @@ class SsdslError(Exception):
 
     def render(self) -> str:
         """The text the command line prints."""
+        message = _cut(self.message)
         if self.span is not None:
-            head = f"{self.span}: {self.message}"
+            head = f"{self.span}: {message}"
         elif self.file:
-            head = f"{self.file}: {self.message}"
+            head = f"{self.file}: {message}"
         else:
-            head = f"error: {self.message}"
+            head = f"error: {message}"
         parts = [head]
         if self.span is not None:
             excerpt = self.span.excerpt()
             if excerpt:
                 parts.append(excerpt)
         if self.hint:
-            parts.append(f"hint: {self.hint}")
+            parts.append(f"hint: {_cut(self.hint)}")
         site = self.span.via if self.span is not None else None
         while site is not None:  # the user's `use` line, then the lines that led to it
             parts.append(f"note: in the plan used at {site}")
@@ -60,6 +61,15 @@ class SsdslError(Exception):
 
     def __str__(self) -> str:
         return self.render()
+
+
+MESSAGE_LIMIT = 600  # characters of a message or hint; what a user typed can be any length
+
+
+def _cut(text: str) -> str:
+    if len(text) <= MESSAGE_LIMIT:
+        return text
+    return f"{text[:MESSAGE_LIMIT]}... ({len(text):,} characters)"
 
 
 class ErrorGroup(SsdslError):

@@ -173,3 +173,29 @@ def test_every_statement_kind_has_a_wrong_plan():
                 words.add(line.split()[0])
     assert {"let", "partition", "replicate", "assign", "order", "microbatch", "stages",
             "recompute", "zero", "mesh", "use", "require", "for", "if"} <= words
+
+
+@pytest.mark.parametrize("value, length", [
+    ('"' + "a" * 100_000 + '"', "100,000 characters"),
+    ("[" + ", ".join(["7"] * 3_000) + "]", "3,000 items"),
+])
+def test_a_huge_value_is_quoted_short(value: str, length: str, tmp_path: Path):
+    """A message that quotes a value the user made (a 100 KB string, a list of 3,000 items)
+    quotes its start and says its length: one short line, not the value."""
+    errors = _errors(f"plan p()\n\nlet x = {value} + 1\n", tmp_path)
+    assert [(type(e).__name__, e.span.line, e.span.column) for e in errors] == \
+        [("WrongType", 3, 9)]
+    rendered = errors[0].render()
+    assert length in rendered, rendered
+    assert len(rendered) < 1500 and len(rendered.splitlines()) < 10, rendered[:3000]
+
+
+def test_a_message_of_any_length_is_cut(tmp_path: Path):
+    """A name of 100,000 characters in an `unknown name` message: the message is cut, and says
+    how long it was."""
+    name = "q" * 100_000
+    errors = _errors(f"plan p()\nreplicate all into {name}\n", tmp_path)
+    assert [(type(e).__name__, e.span.line, e.span.column) for e in errors] == \
+        [("UnknownName", 2, 20)]
+    rendered = errors[0].render()
+    assert len(rendered) < 2500 and "characters)" in rendered, rendered[:3000]
