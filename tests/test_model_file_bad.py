@@ -59,11 +59,13 @@ def test_bad_model_file(path: Path):
     assert Path(err.file).name == path.name, err.render()
     if where is None:
         assert err.span is None, err.render()
+        assert "\nhint: " in err.render(), err.render()
         return
     assert err.span is not None, err.render()
     assert (err.span.line, err.span.column) == where, err.render()
     assert Path(err.span.file).name == path.name
     assert "^" in err.render()  # the model file's line with a caret under it
+    assert "\nhint: " in err.render(), err.render()  # and what to do about it
 
 
 @pytest.mark.parametrize("name", ["sys_exit_at_import", "forward_returns_tuple",

@@ -33,13 +33,21 @@ _TORCH_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx", "torch._dynamo", 
 class ModelFileNoParameters(ModelFileContract):
     """``build_model()`` returned a model without trainable parameters."""
 
+    default_hint = "a model to train has parameters with requires_grad=True"
+
 
 class ModelFileBadOutput(ModelFileContract):
     """The forward returned something other than one floating tensor."""
 
+    default_hint = ("the forward returns one floating tensor (wrap a model that returns a "
+                    "tuple or a dict, as examples/hf_llama.py does)")
+
 
 class ModelFileBadLoss(ModelFileContract):
     """The loss is not a floating scalar that depends on the parameters."""
+
+    default_hint = ("loss(output, target) returns one floating scalar computed from the output, "
+                    "e.g. F.cross_entropy(output, target)")
 
 
 @contextlib.contextmanager
