@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import inspect
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -252,8 +253,13 @@ class ModelFile:
         return model
 
 
+_OWN_DIR = str(Path(__file__).resolve().parent.parent)  # the ssdsl package
+
+
 def _describe(exc: BaseException) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
+    # where it was raised, naming no frame of ssdsl itself (the user cannot act on those)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(_OWN_DIR)]
     where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
     text = str(exc).strip().splitlines()
     first = text[0] if text else ""
@@ -343,6 +349,9 @@ def _check(module: Any, path: str) -> ModelFile:
                              f"{', '.join(missing)}", file=path,
                              hint="a model file defines build_model() -> nn.Module and "
                              "get_batch(step, batch_size) -> (inputs, target); see the README")
+    for fn, params in _CALLED_AS.items():
+        if hasattr(module, fn):
+            _check_signature(getattr(module, fn), fn, params, path)
     batch_size = getattr(module, "BATCH_SIZE", 8)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ModelFileContract(f"BATCH_SIZE must be a positive int, not {_value(batch_size)}",
@@ -360,6 +369,28 @@ def _check(module: Any, path: str) -> ModelFile:
         has_optimizer=hasattr(module, "make_optimizer"),
         get_batch_shard_fn=getattr(module, "get_batch_shard", None),
     )
+
+
+# How ssdsl calls each function of the contract (positional arguments).
+_CALLED_AS = {"build_model": (), "get_batch": ("step", "batch_size"), "loss": ("output", "target"),
+              "make_optimizer": ("params",),
+              "get_batch_shard": ("step", "batch_size", "start", "stop")}
+
+
+def _check_signature(fn: Callable, name: str, params: tuple[str, ...], path: str) -> None:
+    """A function of the contract that cannot be called as ssdsl calls it is an error at its
+    ``def`` line, before anything calls it (rather than a TypeError raised by the call)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to read
+        return
+    try:
+        sig.bind(*params)
+    except TypeError:
+        raise ModelFileContract(
+            f"{name} is called as {name}({', '.join(params)}); it is defined as {name}{sig}",
+            def_span(path, fn) or binding_span(path, name), file=path,
+            hint=f"define it as def {name}({', '.join(params)}): (docs/model_file.md)") from None
 
 
 def _input_dims(value: Any, path: str) -> tuple[tuple[str, ...], ...] | None:

@@ -84,9 +84,24 @@ def try_training_step(mf: ModelFile, model: torch.nn.Module,
     try:
         with quiet_torch_logs():
             _step(mf, model, inputs, target)
+            if mf.has_optimizer:
+                _optimizer(mf, params)
     finally:
         for p in params:
             p.grad = None
+
+
+def _optimizer(mf: ModelFile, params: list[torch.nn.Parameter]) -> None:
+    """``make_optimizer(params)`` must give an optimizer (every rank calls it on its shards)."""
+    where = def_span(mf.path, mf.make_optimizer)
+    opt = _call(mf, "make_optimizer(params)", lambda: mf.make_optimizer(params), where)
+    if opt is _SKIP:
+        return
+    if not all(hasattr(opt, a) for a in ("step", "zero_grad", "param_groups")):
+        raise ModelFileContract(
+            f"make_optimizer(params) must return a torch.optim.Optimizer; it returned "
+            f"{_kind(opt)}", where, file=mf.path,
+            hint="return the optimizer, e.g. return torch.optim.AdamW(params, lr=1e-3)")
 
 
 def _step(mf: ModelFile, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
