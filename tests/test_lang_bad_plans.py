@@ -199,3 +199,22 @@ def test_a_message_of_any_length_is_cut(tmp_path: Path):
         [("UnknownName", 2, 20)]
     rendered = errors[0].render()
     assert len(rendered) < 2500 and "characters)" in rendered, rendered[:3000]
+
+
+@pytest.mark.slow
+def test_huge_inputs_are_refused_at_their_line_in_few_lines(tmp_path: Path):
+    """A 100,000-term expression on line 4 is TooDeep at 4:9 (not 1:1); an error at the end of
+    a 400 KB line shows a cut excerpt; neither takes long or prints much."""
+    import time
+    errors = _errors("plan p()\n# a comment\n\nlet x = " + "+".join(["1"] * 100_000) + "\n",
+                     tmp_path)
+    assert [(type(e).__name__, e.span.line, e.span.column) for e in errors] == \
+        [("TooDeep", 4, 9)]
+    start = time.process_time()
+    errors = _errors("plan p()\nlet x = 1" + " " * 400_000 + "@\n", tmp_path)
+    assert [(type(e).__name__, e.span.line, e.span.column) for e in errors] == \
+        [("UnexpectedCharacter", 2, 400_010)]
+    rendered = errors[0].render()
+    assert max(len(line) for line in rendered.splitlines()) < 200, rendered[:2000]
+    assert len(rendered.splitlines()) < 10
+    assert time.process_time() - start < 10

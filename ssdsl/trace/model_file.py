@@ -236,7 +236,30 @@ class ModelFile:
             what = "the batch size" if name == "get_batch" else "the number of rows asked for"
             raise ModelFileContract(f"{call}: dim 0 of every input and of the target must be "
                                     f"{what} {rows}; shapes: {shapes}", where, file=self.path)
+        self._check_input_dims(inputs)
         return inputs, target
+
+    def _check_input_dims(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """``INPUT_DIMS`` names at most the dims each input has, once each, for at most the
+        inputs there are; an error at the line that binds it."""
+        if self.input_dims is None:
+            return
+        fault = None
+        if len(self.input_dims) > len(inputs):
+            fault = (f"INPUT_DIMS names the dims of {len(self.input_dims)} inputs, but get_batch "
+                     f"gives {len(inputs)}")
+        for i, (names, t) in enumerate(zip(self.input_dims, inputs)):
+            if fault is None and len(names) > t.dim():
+                fault = (f"INPUT_DIMS names {len(names)} dims of input {i} ({', '.join(names)}), "
+                         f"which has {t.dim()} (shape {tuple(t.shape)})")
+            named = [n for n in names if n]
+            if fault is None and len(set(named)) != len(named):
+                fault = f"INPUT_DIMS names a dim of input {i} twice ({', '.join(names)})"
+        if fault is not None:
+            raise ModelFileContract(fault, binding_span(self.path, "INPUT_DIMS"), file=self.path,
+                                    hint="one tuple per input, one name per leading dim, e.g. "
+                                         "INPUT_DIMS = ((\"batch\", \"seq\"),) for (batch, seq) "
+                                         "tokens")
 
     def build(self, *, seed: int = 0) -> torch.nn.Module:
         """The model built under ``torch.manual_seed(seed)``."""
