@@ -121,6 +121,7 @@ def test_a_stopped_rank_ends_the_job_and_is_named(tmp_path, victim):
     while proc.poll() is None and time.monotonic() < end:
         time.sleep(0.1)
     elapsed = time.monotonic() - stopped_at
+    print(f"job ended {elapsed:.1f} s after rank {victim} was stopped")
     alive_after = [p for p in ranks.values() if _alive(p)]
     out = "".join(seen) + _finish(proc, list(ranks.values()))
     assert elapsed < BOUND_S, out[-3000:]
@@ -139,6 +140,7 @@ def test_a_rank_asleep_in_get_batch_is_named_with_its_line(tmp_path):
     while proc.poll() is None and time.monotonic() < end:
         time.sleep(0.1)
     elapsed = time.monotonic() - start
+    print(f"job ended {elapsed:.1f} s after its first step")
     out = "".join(seen) + _finish(proc, list(ranks.values()))
     assert elapsed < BOUND_S, out[-3000:]
     assert proc.returncode not in (0, None), out[-3000:]
