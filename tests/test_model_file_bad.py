@@ -80,3 +80,16 @@ def test_check_reports_it_in_few_lines_with_status_two(name: str, capfd):
     assert len(text.splitlines()) < 40, text
     cls, where = _expectation(path)
     assert f"{path.name}:{where[0]}:{where[1]}: " in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_check_prints_every_one_briefly(path: Path, capfd):
+    """The fast lane runs five files through `ssdsl check`; this runs them all."""
+    assert main(["check", str(path), "dp", "--world", "1"]) == 2
+    out = capfd.readouterr()
+    text = out.out + out.err
+    assert "Traceback" not in text
+    assert len(text.splitlines()) < 40, text
+    cls, where = _expectation(path)
+    assert (f"{path.name}:{where[0]}:{where[1]}: " if where else f"{path.name}: ") in text, text
