@@ -218,3 +218,13 @@ def test_huge_inputs_are_refused_at_their_line_in_few_lines(tmp_path: Path):
     assert max(len(line) for line in rendered.splitlines()) < 200, rendered[:2000]
     assert len(rendered.splitlines()) < 10
     assert time.process_time() - start < 10
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "   \n"])
+def test_an_empty_file_is_an_empty_plan(text: str, tmp_path: Path):
+    """A file with nothing in it cannot carry the corpus's `# expect` line; it is EmptyPlan at
+    1:1 with a hint, like the comments-only file of the corpus."""
+    errors = _errors(text, tmp_path)
+    assert [(type(e).__name__, e.span.line, e.span.column) for e in errors] == \
+        [("EmptyPlan", 1, 1)]
+    assert "\nhint: " in errors[0].render()
