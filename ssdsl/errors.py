@@ -6,7 +6,7 @@ hint, then exits with status 2. Phases that find several independent faults rais
 (sorted by position) instead of stopping at the first.
 
 Subclasses live next to the rule that raises them (``ssdsl.parse.errors``, ...); they only need a
-class docstring and, when useful, a default ``hint``.
+class docstring and, when useful, a ``default_hint`` (used when the raising site gives none).
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ from ssdsl.source import Span
 class SsdslError(Exception):
     """Root of every error caused by user input; the CLI shows these without a traceback."""
 
+    #: What to do about it when the raising site gives no hint of its own (a class attribute).
+    default_hint: str | None = None
+
     def __init__(self, message: str, span: Span | None = None, *, hint: str | None = None,
                  file: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.span = span
-        self.hint = hint
+        self.hint = hint if hint is not None else type(self).default_hint
         # For faults located in a file but not at a line (a model file missing a function, say).
         self.file = file if file is not None else (span.file if span else None)
 
@@ -34,19 +37,20 @@ class SsdslError(Exception):
 
     def render(self) -> str:
         """The text the command line prints."""
+        message = _cut(self.message)
         if self.span is not None:
-            head = f"{self.span}: {self.message}"
+            head = f"{self.span}: {message}"
         elif self.file:
-            head = f"{self.file}: {self.message}"
+            head = f"{self.file}: {message}"
         else:
-            head = f"error: {self.message}"
+            head = f"error: {message}"
         parts = [head]
         if self.span is not None:
             excerpt = self.span.excerpt()
             if excerpt:
                 parts.append(excerpt)
         if self.hint:
-            parts.append(f"hint: {self.hint}")
+            parts.append(f"hint: {_cut(self.hint)}")
         site = self.span.via if self.span is not None else None
         while site is not None:  # the user's `use` line, then the lines that led to it
             parts.append(f"note: in the plan used at {site}")
@@ -57,6 +61,15 @@ class SsdslError(Exception):
 
     def __str__(self) -> str:
         return self.render()
+
+
+MESSAGE_LIMIT = 600  # characters of a message or hint; what a user typed can be any length
+
+
+def _cut(text: str) -> str:
+    if len(text) <= MESSAGE_LIMIT:
+        return text
+    return f"{text[:MESSAGE_LIMIT]}... ({len(text):,} characters)"
 
 
 class ErrorGroup(SsdslError):

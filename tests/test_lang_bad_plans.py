@@ -49,6 +49,7 @@ def test_bad_plan(path: Path):
     rendered = err.render()
     assert rendered.startswith(f"{err.span.file}:{line}:{column}: ")
     assert "^" in rendered  # the source line with carets under the span
+    assert "\nhint: " in rendered  # and what to do about it
     if file != path.name:  # a fault inside a used plan names the user's `use` line too
         site = err.span.via
         while site is not None and site.via is not None:  # the outermost `use`: the user's
@@ -57,13 +58,17 @@ def test_bad_plan(path: Path):
         assert f"note: in the plan used at {site.file}:" in rendered, rendered
 
 
-@pytest.mark.parametrize("path", FILES[:5], ids=[p.stem for p in FILES[:5]])
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
 def test_cli_exit_status_two_without_traceback(path: Path, capsys):
+    """What `ssdsl check` prints for each wrong plan: exit status 2, the position, no traceback,
+    under 40 lines."""
     assert main(["check", str(path), "--world", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "Traceback" not in text
+    assert len(text.splitlines()) < 40, text
     cls, line, column, _ = _expectation(path)
-    assert f":{line}:{column}: " in err
+    assert f":{line}:{column}: " in text
 
 
 def test_debug_shows_the_traceback():
@@ -168,3 +173,58 @@ def test_every_statement_kind_has_a_wrong_plan():
                 words.add(line.split()[0])
     assert {"let", "partition", "replicate", "assign", "order", "microbatch", "stages",
             "recompute", "zero", "mesh", "use", "require", "for", "if"} <= words
+
+
+@pytest.mark.parametrize("value, length", [
+    ('"' + "a" * 100_000 + '"', "100,000 characters"),
+    ("[" + ", ".join(["7"] * 3_000) + "]", "3,000 items"),
+])
+def test_a_huge_value_is_quoted_short(value: str, length: str, tmp_path: Path):
+    """A message that quotes a value the user made (a 100 KB string, a list of 3,000 items)
+    quotes its start and says its length: one short line, not the value."""
+    errors = _errors(f"plan p()\n\nlet x = {value} + 1\n", tmp_path)
+    assert [(type(e).__name__, e.span.line, e.span.column) for e in errors] == \
+        [("WrongType", 3, 9)]
+    rendered = errors[0].render()
+    assert length in rendered, rendered
+    assert len(rendered) < 1500 and len(rendered.splitlines()) < 10, rendered[:3000]
+
+
+def test_a_message_of_any_length_is_cut(tmp_path: Path):
+    """A name of 100,000 characters in an `unknown name` message: the message is cut, and says
+    how long it was."""
+    name = "q" * 100_000
+    errors = _errors(f"plan p()\nreplicate all into {name}\n", tmp_path)
+    assert [(type(e).__name__, e.span.line, e.span.column) for e in errors] == \
+        [("UnknownName", 2, 20)]
+    rendered = errors[0].render()
+    assert len(rendered) < 2500 and "characters)" in rendered, rendered[:3000]
+
+
+@pytest.mark.slow
+def test_huge_inputs_are_refused_at_their_line_in_few_lines(tmp_path: Path):
+    """A 100,000-term expression on line 4 is TooDeep at 4:9 (not 1:1); an error at the end of
+    a 400 KB line shows a cut excerpt; neither takes long or prints much."""
+    import time
+    errors = _errors("plan p()\n# a comment\n\nlet x = " + "+".join(["1"] * 100_000) + "\n",
+                     tmp_path)
+    assert [(type(e).__name__, e.span.line, e.span.column) for e in errors] == \
+        [("TooDeep", 4, 9)]
+    start = time.process_time()
+    errors = _errors("plan p()\nlet x = 1" + " " * 400_000 + "@\n", tmp_path)
+    assert [(type(e).__name__, e.span.line, e.span.column) for e in errors] == \
+        [("UnexpectedCharacter", 2, 400_010)]
+    rendered = errors[0].render()
+    assert max(len(line) for line in rendered.splitlines()) < 200, rendered[:2000]
+    assert len(rendered.splitlines()) < 10
+    assert time.process_time() - start < 10
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "   \n"])
+def test_an_empty_file_is_an_empty_plan(text: str, tmp_path: Path):
+    """A file with nothing in it cannot carry the corpus's `# expect` line; it is EmptyPlan at
+    1:1 with a hint, like the comments-only file of the corpus."""
+    errors = _errors(text, tmp_path)
+    assert [(type(e).__name__, e.span.line, e.span.column) for e in errors] == \
+        [("EmptyPlan", 1, 1)]
+    assert "\nhint: " in errors[0].render()

@@ -59,11 +59,13 @@ def test_bad_model_file(path: Path):
     assert Path(err.file).name == path.name, err.render()
     if where is None:
         assert err.span is None, err.render()
+        assert "\nhint: " in err.render(), err.render()
         return
     assert err.span is not None, err.render()
     assert (err.span.line, err.span.column) == where, err.render()
     assert Path(err.span.file).name == path.name
     assert "^" in err.render()  # the model file's line with a caret under it
+    assert "\nhint: " in err.render(), err.render()  # and what to do about it
 
 
 @pytest.mark.parametrize("name", ["sys_exit_at_import", "forward_returns_tuple",
@@ -78,3 +80,16 @@ def test_check_reports_it_in_few_lines_with_status_two(name: str, capfd):
     assert len(text.splitlines()) < 40, text
     cls, where = _expectation(path)
     assert f"{path.name}:{where[0]}:{where[1]}: " in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_check_prints_every_one_briefly(path: Path, capfd):
+    """The fast lane runs five files through `ssdsl check`; this runs them all."""
+    assert main(["check", str(path), "dp", "--world", "1"]) == 2
+    out = capfd.readouterr()
+    text = out.out + out.err
+    assert "Traceback" not in text
+    assert len(text.splitlines()) < 40, text
+    cls, where = _expectation(path)
+    assert (f"{path.name}:{where[0]}:{where[1]}: " if where else f"{path.name}: ") in text, text

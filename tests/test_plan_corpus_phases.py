@@ -72,3 +72,17 @@ def test_check_prints_it_briefly(path: Path, capsys):
     assert "Traceback" not in text
     assert len(text.splitlines()) < 40, text
     assert f":{line}:{column}: " in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_check_prints_every_one_briefly(path: Path, capsys):
+    """The fast lane runs every third file through `ssdsl check`; this runs them all, and
+    each error has a hint."""
+    world, _, line, column, _ = _header(path)
+    assert main(["check", str(GPT), str(path), "--world", str(world)]) == 2
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "Traceback" not in text
+    assert len(text.splitlines()) < 40, text
+    assert f":{line}:{column}: " in text and "\nhint: " in text, text

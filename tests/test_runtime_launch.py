@@ -360,3 +360,15 @@ def test_report_event_outside_launch_goes_to_the_local_handler(monkeypatch):
     finally:
         set_local_event_handler(None)
     assert seen == [(5, {"step": 1})]
+
+
+def test_two_jobs_at_once_do_not_clash():
+    """Two jobs launched at the same time each rendezvous on their own store: every rank sees
+    its own job's world and sums (computed here by formula for each job)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:
+        futures = {k: pool.submit(launch, sum_worker, nproc=2, args=(float(k),),
+                                  kwargs={"offset": 10 * k}) for k in (1, 2)}
+        results = {k: f.result(timeout=120) for k, f in futures.items()}
+    for k, got in results.items():
+        assert got == [(r, 2, (1 + 2) * float(k), [10 * k, 10 * k + 1]) for r in range(2)]

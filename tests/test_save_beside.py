@@ -34,3 +34,21 @@ def test_existing_file_is_kept_and_parameters_go_beside_it(tmp_path: Path, capsy
     _saved_at(path, written)
     err = capsys.readouterr().err
     assert "was not overwritten" in err and str(written) in err
+
+
+def test_a_directory_that_cannot_be_made_sends_the_parameters_to_the_current_one(
+        tmp_path: Path, capsys, monkeypatch):
+    """The asked directory cannot exist (its parent is a file): the parameters are saved under
+    the same name in the current directory, and the message says where."""
+    (tmp_path / "afile").write_bytes(b"not a directory")
+    asked = tmp_path / "afile" / "model.pt"
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    written = save_atomically(_state(), asked)
+    assert written == here / "model.pt"
+    assert torch.equal(torch.load(written)["w"], _state()["w"])
+    assert (tmp_path / "afile").read_bytes() == b"not a directory"
+    _saved_at(asked, written)
+    err = capsys.readouterr().err
+    assert "cannot be written" in err and str(written) in err

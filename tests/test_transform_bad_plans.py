@@ -100,3 +100,21 @@ def test_bad_device_when_world_is_smaller_than_the_plan() -> None:
     assert len(errors) == 2   # devices 2 and 3
     assert all(e.span.file.endswith("dp.ssp") for e in errors)
     assert "device 2 is outside the 2 devices" in errors[0].message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_check_prints_it_briefly(path: Path, capsys) -> None:
+    """`ssdsl check MODEL PLAN`: exit status 2, the position, a hint, no traceback, under 40
+    lines."""
+    from ssdsl.cli import main
+    head = header(path)
+    line, column = map(int, head["expect"].split()[1].split(":"))
+    assert main(["check", str(model_path(head["model"])), str(path), "--world",
+                 head["world"]]) == 2
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "Traceback" not in text
+    assert len(text.splitlines()) < 40, text
+    assert f"{path.name}:{line}:{column}: " in text, text
+    assert "\nhint: " in text, text

@@ -159,7 +159,10 @@ class Evaluator:
         if not is_int(i):
             raise E.WrongType(f"an index is an int, got {type_name(i)} {show(i)}", e.index.span)
         if not 0 <= i < len(base):
-            raise E.IndexOutOfRange(f"index {i} is outside 0..{len(base)}", e.index.span)
+            raise E.IndexOutOfRange(f"index {i} is outside 0..{len(base)}", e.index.span,
+                                    hint=f"{show(base)} has {len(base)} item"
+                                    f"{'' if len(base) == 1 else 's'}: indices 0 to "
+                                    f"{len(base) - 1}" if len(base) else "it is empty")
         return base.lo + i if isinstance(base, Range) else base[i]
 
 
@@ -167,13 +170,16 @@ class Evaluator:
     def _bool(self, e: A.Expr, env: dict, what: str) -> bool:
         v = self.ev(e, env)
         if not isinstance(v, bool):
-            raise E.WrongType(f"{what} needs a bool, got {type_name(v)} {show(v)}", e.span)
+            raise E.WrongType(f"{what} needs a bool, got {type_name(v)} {show(v)}", e.span,
+                              hint="a comparison makes a bool: x > 0, n % 2 == 0")
         return v
 
     def _int(self, e: A.Expr, env: dict, what: str) -> int:
         v = self.ev(e, env)
         if not is_int(v):
-            raise E.WrongType(f"{what} needs an int, got {type_name(v)} {show(v)}", e.span)
+            raise E.WrongType(f"{what} needs an int, got {type_name(v)} {show(v)}", e.span,
+                              hint="int(x) and a // b make an int"
+                              if isinstance(v, float) else None)
         return v
 
     def _count(self, e: A.Expr, env: dict, what: str, *, limit: int | None = None,
@@ -181,10 +187,18 @@ class Evaluator:
         """A count: an int from 1 to ``limit`` (default ``MAX_COUNT``)."""
         n = self._int(e, env, what)
         if n < 1:
-            raise E.WrongValue(f"{what} needs a count of at least 1, got {n}", e.span)
+            raise E.WrongValue(f"{what} needs a count of at least 1, got {n}", e.span,
+                               hint="a count is at least 1 (1: the operators stay whole)"
+                               if what != "a mesh axis size" else "a mesh axis has at least "
+                               "one coordinate")
         top = MAX_COUNT if limit is None else min(limit, MAX_COUNT)
         if n > top:
             why = limit_why if limit is not None and limit < MAX_COUNT else \
                 f"the limit of counts is {MAX_COUNT:,}"
-            raise E.CountTooLarge(f"{what} {n:,} is too large: {why}", e.span)
+            raise E.CountTooLarge(f"{what} {n:,} is too large: {why}", e.span,
+                                  hint=f"at most {top:,} here" + (
+                                      " (run with --world N for more)" if limit is not None
+                                      and limit < MAX_COUNT else
+                                      "; the count must also divide the size of what it "
+                                      "splits"))
         return n

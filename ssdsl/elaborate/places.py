@@ -69,10 +69,14 @@ class Places(Evaluator):
                 raise E.WrongType(f"devices needs a list or a range, got {type_name(value)}",
                                   p.devices.span)
             if len(value) == 0:
-                raise E.EmptyRange("this device list is empty", p.devices.span)
+                raise E.EmptyRange("this device list is empty", p.devices.span,
+                                   hint="give at least one device: devices [0, 1] or 0..n")
             ids = tuple(self._device(v, p.devices.span) for v in value)
             if len(set(ids)) != len(ids):
-                raise E.DuplicateDevice("a device appears twice in this list", p.devices.span)
+                twice = next(d for d in ids if ids.count(d) > 1)
+                raise E.DuplicateDevice(f"device {twice} appears twice in this list",
+                                        p.devices.span, hint="name each device once (a spread "
+                                        "puts one part on each device of the list)")
             return ids
         return self._mesh_place(p, env)
 
@@ -88,17 +92,22 @@ class Places(Evaluator):
         if p.coords and all(c.axis is None for c in p.coords):
             if len(p.coords) != len(names):
                 raise E.WrongArity(f"mesh '{p.mesh}' has {len(names)} axes ({', '.join(names)}), "
-                                   f"got {len(p.coords)} coordinates", p.span)
+                                   f"got {len(p.coords)} coordinates", p.span,
+                                   hint=f"give one coordinate per axis, or leave axes out by "
+                                        f"name: {p.mesh}[{names[0]}=0]")
             for name, c in zip(names, p.coords):
                 chosen[name] = self._coord(mesh, name, c, env)
         else:
             for c in p.coords:
                 if c.axis is None:
                     raise E.WrongArity("give every mesh coordinate by position or every one by "
-                                       "name", c.span)
+                                       "name", c.span,
+                                       hint=f"by name: {p.mesh}["
+                                            f"{', '.join(f'{a}=...' for a in names)}]")
                 if c.axis not in names:
                     raise E.UnknownMeshAxis(f"mesh '{p.mesh}' has no axis '{c.axis}'"
-                                            f"{suggest(c.axis, names)}", c.span)
+                                            f"{suggest(c.axis, names)}", c.span,
+                                            hint=f"its axes: {', '.join(names)}")
                 if c.axis in chosen:
                     raise E.DuplicateName(f"axis '{c.axis}' is given twice", c.span)
                 chosen[c.axis] = self._coord(mesh, c.axis, c, env)
@@ -113,7 +122,8 @@ class Places(Evaluator):
             raise E.WrongType(f"a mesh coordinate is an int, got {type_name(v)} {show(v)}", c.span)
         if not 0 <= v < size:
             raise E.IndexOutOfRange(f"coordinate {v} is outside 0..{size} of axis '{axis}'",
-                                    c.span)
+                                    c.span, hint=f"axis '{axis}' of mesh '{mesh.name}' has "
+                                    f"{size} coordinates, 0 to {size - 1}")
         return v
 
     def units(self, item: A.SeqItem, env: dict) -> list[D.WorkUnit]:
@@ -205,7 +215,9 @@ class Places(Evaluator):
         i = self._int(s.index, env, "a stage index")
         if not 0 <= i < group[0]:
             raise E.StageOutOfRange(f"stage {i} is outside 0..{group[0]} of '{s.group}'",
-                                    s.index.span)
+                                    s.index.span, hint=f"'{s.group}' has {group[0]} stage"
+                                    f"{'s' if group[0] > 1 else ''}: {s.group}[0] to "
+                                    f"{s.group}[{group[0] - 1}] (declared at {group[1]})")
         return D.StageRef(s.group, i)
 
     def _part(self, s: A.SelPart, env: dict) -> D.PartOf:
@@ -215,7 +227,8 @@ class Places(Evaluator):
             if type(i) is not int:
                 i = self._int(e, env, "a part index")
             if i < 0:
-                raise E.IndexOutOfRange(f"a part index is >= 0, got {i}", e.span)
+                raise E.IndexOutOfRange(f"a part index is >= 0, got {i}", e.span,
+                                        hint="the parts of N are numbered 0 to N - 1")
             index.append(i)
         return D.PartOf(tuple(index), self.sel(s.base, env))
 
@@ -248,7 +261,8 @@ def _segments_of(value: Any, span: Span) -> list[D.Segment]:
     """Path segments from the value of a ``{expr}`` segment."""
     if is_int(value):
         if value < 0:
-            raise E.WrongValue(f"a path index is >= 0, got {value}", span)
+            raise E.WrongValue(f"a path index is >= 0, got {value}", span,
+                               hint="module indices count from 0, as in h.0")
         return [value]
     if isinstance(value, Range):
         return [_index_range(value.lo, value.hi, span)]

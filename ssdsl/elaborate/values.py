@@ -57,15 +57,29 @@ def type_name(value: Any) -> str:
     return type(value).__name__  # pragma: no cover - no other values exist
 
 
-def show(value: Any) -> str:
-    """A value as the language would write it."""
+SHOW_LIMIT = 60  # characters of a value quoted in a message (a 400 KB string stays out of it)
+
+
+def show(value: Any, limit: int = SHOW_LIMIT) -> str:
+    """A value as the language would write it, cut after about ``limit`` characters (with
+    the full length said), so that a message quoting it stays one short line."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        text = value[:limit + 1].replace("\\", "\\\\").replace('"', '\\"')
+        if len(value) <= limit and len(text) <= limit:
+            return '"' + text + '"'
+        return '"' + text[:limit] + f'..." ({len(value):,} characters)'
     if isinstance(value, tuple):
-        return "[" + ", ".join(show(v) for v in value) + "]"
-    return str(value)
+        items, used = [], 0
+        for v in value:
+            if used > limit:
+                return "[" + ", ".join(items) + f", ...] ({len(value):,} items)"
+            items.append(show(v, max(8, limit - used)))
+            used += len(items[-1]) + 2
+        return "[" + ", ".join(items) + "]"
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
 
 
 def is_int(value: Any) -> bool:

@@ -12,6 +12,8 @@ from ssdsl.errors import SsdslError
 class PlanSyntaxError(SsdslError):
     """The text is not a plan: the parser could not go on at this position."""
 
+    default_hint = "docs/language.md shows the form of each statement"
+
 
 class UnknownKeyword(PlanSyntaxError):
     """A word where a statement keyword belongs, close to a real keyword (a typo)."""
@@ -68,14 +70,22 @@ class UnclosedBracket(PlanSyntaxError):
 class TooDeep(PlanSyntaxError):
     """Nesting deeper than the parser supports."""
 
+    default_hint = "split the expression with `let` (docs/language.md, Limits)"
+
 
 class BadLiteral(PlanSyntaxError):
     """A number or string literal that cannot be read."""
+
+    default_hint = "integers are at most 2**63 - 1 and floats finite (docs/language.md, Limits)"
 
 
 class EmptyPlan(MissingPlanHeader):
     """A file with nothing but blank lines and comments."""
 
+    default_hint = "a plan starts with its header: plan NAME(PARAMS)"
+
 
 class BadEncoding(PlanSyntaxError):
     """A byte that is not UTF-8."""
+
+    default_hint = "save the file as UTF-8"

@@ -409,6 +409,9 @@ class _Job:
         live = [p for p in self.procs if p.poll() is None]
         for p in live:
             _signal_group(p, signal.SIGTERM)
+            # a stopped rank (SIGSTOP) acts on SIGTERM only once it runs again, so it is
+            # continued: it then ends now rather than after the grace
+            _signal_group(p, signal.SIGCONT)
         end = time.monotonic() + self.grace_s
         while time.monotonic() < end and any(p.poll() is None for p in live):
             time.sleep(_POLL_S)

@@ -29,21 +29,18 @@ import torch
 
 from ssdsl.errors import SsdslError
 from ssdsl.ir.graph import Graph, map_tensor_refs
-from ssdsl.ir.interpret import call_target, resolve_target, with_step_values
+from ssdsl.ir.interpret import call_target, with_step_values
 from ssdsl.ir.region import Region
 from ssdsl.materialize.program import Materialized
 from ssdsl.runtime.init import named_values
 from ssdsl.runtime.job import JobSpec, plan_job
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.trace.model_file import ModelFile, def_span, load_model_file
-
-
-class NonDeterministicBatch(SsdslError):
-    """``get_batch`` gave two different batches for the same step."""
-
-
-class RandomOperator(SsdslError):
-    """The traced training step draws random numbers (dropout, rand, ...)."""
+# The model file's contract checks run in the trace phase (so `ssdsl check` and `--no-verify`
+# report them too); verification calls them again on what it plans.
+from ssdsl.trace.trial import (NonDeterministicBatch, RandomOperator,  # noqa: F401
+                               check_batch_deterministic, random_operators,
+                               refuse_random_operators)
 
 
 class TrainsDifferently(SsdslError):
@@ -120,18 +117,6 @@ def verify_before_launch(spec: JobSpec, world: int, *, enabled: bool = True,
 # -- 1 and 2: the model file's contract ---------------------------------------------------------
 
 
-def check_batch_deterministic(mf: ModelFile, batch_size: int | None) -> None:
-    """``NonDeterministicBatch`` when two calls of ``get_batch(0, ...)`` differ."""
-    first, second = mf.get_batch(0, batch_size), mf.get_batch(0, batch_size)
-    a, b = (*first[0], first[1]), (*second[0], second[1])
-    if len(a) != len(b) or any(x.shape != y.shape or not torch.equal(x, y) for x, y in zip(a, b)):
-        raise NonDeterministicBatch(
-            "get_batch(0, batch_size) returned two different batches: every rank calls it and "
-            "must get the same batch", file=mf.path,
-            hint="draw the batch from a generator seeded by the step, e.g. "
-            "torch.Generator().manual_seed(step)")
-
-
 def check_batch_shard(mf: ModelFile, batch_size: int | None, m: Materialized) -> None:
     """``get_batch_shard`` (when the model file has one) returns, for the rows every rank will
     ask for, exactly those rows of ``get_batch``: ``NonDeterministicBatch`` otherwise."""
@@ -154,46 +139,6 @@ def check_batch_shard(mf: ModelFile, batch_size: int | None, m: Materialized) ->
                 "than the plain model", def_span(mf.path, mf.get_batch_shard_fn), file=mf.path,
                 hint="return exactly rows start:stop of what get_batch returns for the step "
                 "(or remove get_batch_shard; every rank then calls get_batch)")
-
-
-def random_operators(graph: Graph) -> list[str]:
-    """Names of the operators that draw random numbers in a training step."""
-    found = []
-    for op in graph.ops:
-        target = resolve_target(op.target)
-        if torch.Tag.nondeterministic_seeded in target.tags and not _draws_nothing(op, target):
-            found.append(op.name)
-    return found
-
-
-def _draws_nothing(op, target) -> bool:
-    """A dropout-like operator with probability 0, or not training (``dropout(x, p, train)``,
-    ``scaled_dot_product_attention(..., dropout_p=0.0)``): it draws nothing."""
-    bound: dict[str, Any] = {}
-    for i, arg in enumerate(target._schema.arguments):
-        if i < len(op.args):
-            bound[arg.name] = op.args[i]
-        elif arg.name in dict(op.kwargs):
-            bound[arg.name] = dict(op.kwargs)[arg.name]
-        elif arg.has_default_value():
-            bound[arg.name] = arg.default_value
-    if "train" in bound and bound["train"] is False:
-        return True
-    return any(bound.get(name) == 0 for name in ("p", "dropout_p"))
-
-
-def refuse_random_operators(graph: Graph, path: str) -> None:
-    """``RandomOperator`` naming the first random operator of ``graph``, if any."""
-    found = random_operators(graph)
-    if not found:
-        return
-    op = graph.op(found[0])
-    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-    raise RandomOperator(
-        f"the training step draws random numbers: operator '{op.name}' ({op.kind}, in "
-        f"'{op.module or '<top>'}'){more}; each rank would draw different numbers, so the "
-        "parallel run could not equal the single-device model", file=path,
-        hint="set dropout probabilities to 0 (or build the model without random operators)")
 
 
 # -- 3: one simulated step -----------------------------------------------------------------------

@@ -40,6 +40,10 @@ class StagesNotContiguous(LowerError):
     """Stage selectors do not cut the operator order into contiguous segments."""
 
 
+class StagesOverlap(LowerError):
+    """Two stage selectors of one ``stages`` statement select the same operator."""
+
+
 class TooManyStages(LowerError):
     """More stages than operators."""
 
@@ -71,9 +75,17 @@ def stage_map(t: Transformed, st: Stages) -> dict[str, int]:
 
 def _by_selectors(t: Transformed, st: Stages) -> dict[str, int]:
     chosen: dict[str, int] = {}
+    module = {op.name: op.module for op in t.graph.ops}
     for s, sel in enumerate(st.selectors):
         for name in select_ops(t.graph, sel, st.span):
-            chosen.setdefault(name, s)
+            first = chosen.setdefault(name, s)
+            if first != s:  # the later stage would silently lose it (and may end up empty)
+                raise StagesOverlap(
+                    f"operator '{name}' (in '{module.get(name) or '<top>'}') is selected by "
+                    f"stage {first} ('{st.selectors[first]}') and by stage {s} ('{sel}'): "
+                    "each operator belongs to one stage", st.span,
+                    hint="make the stage selectors disjoint (`A except B` removes B's "
+                         "operators from A)")
     out: dict[str, int] = {}
     current = 0
     for op in t.graph.ops:  # an unselected operator joins the stage of the operator before it

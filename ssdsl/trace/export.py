@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from ssdsl.trace.aligned import align_arange_indices
 from ssdsl.trace.dims import flow_names
 from ssdsl.trace.model_file import ModelFile
 from ssdsl.trace.shared import share_parameters
-from ssdsl.trace.trial import quiet_torch_logs, try_training_step
+from ssdsl.trace.trial import (check_batch_deterministic, quiet_torch_logs,
+                               refuse_random_operators, try_training_step)
 
 # Short kind names for selectors, where the ATen name is long.
 KIND_NAMES = {"scaled_dot_product_attention": "sdpa", "cross_entropy_loss": "cross_entropy",
@@ -69,6 +71,9 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
         with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the caller's RNG kept
             twin = model_file.build(seed=seed)
         try_training_step(model_file, twin, (inputs, target))
+    # every rank calls get_batch and must get the same batch (checked after the step, whose
+    # faults are at a line of the forward or the loss)
+    check_batch_deterministic(model_file, batch_size)
     dev = _device_of(model, device)
     # a model cast to another floating dtype (``--dtype float64``) gets its floating inputs in
     # that dtype, as the runtime and the reference give them (``to_dtype``); integer tokens stay
@@ -87,7 +92,23 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
                          file=model_file.path, hint="run with --debug for the full traceback; "
                          "data-dependent control flow and unsupported ops are common causes") from exc
     seeds = _input_seeds(model_file, ep, len(inputs))
-    return graph_from_export(ep, seeds=seeds, model=model)
+    graph = graph_from_export(ep, seeds=seeds, model=model)
+    refuse_random_operators(graph, model_file.path, _model_file_lines(ep, model_file.path))
+    return graph
+
+
+def _model_file_lines(ep: torch.export.ExportedProgram, path: str) -> dict[str, int]:
+    """For each exported operator, the innermost line of the model file in its stack trace."""
+    import re
+    pattern = re.compile(r'File "([^"]+)", line (\d+)')
+    target = str(Path(path).resolve())
+    out = {}
+    for node in ep.graph.nodes:
+        found = [int(n) for f, n in pattern.findall(node.meta.get("stack_trace") or "")
+                 if str(Path(f).resolve()) == target]
+        if found:
+            out[node.name] = found[-1]
+    return out
 
 
 def _device_of(model: torch.nn.Module, default: str) -> torch.device:

@@ -21,7 +21,9 @@ calls with the same seed give the same parameters.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import inspect
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -43,6 +45,8 @@ class ModelFileError(SsdslError):
 class ModelFileSyntaxError(ModelFileError):
     """The model file is not valid Python."""
 
+    default_hint = "fix the Python at the caret (python -m py_compile FILE reports the same)"
+
 
 class ModelFileExit(ModelFileError):
     """The model file called ``sys.exit`` (or raised ``SystemExit``) while being imported."""
@@ -51,9 +55,15 @@ class ModelFileExit(ModelFileError):
 class ModelFileRaised(ModelFileError):
     """The model file's code raised an exception (at import, or in one of its functions)."""
 
+    default_hint = ("the model file's own code raised this at the line shown; "
+                    "ssdsl --debug shows the whole traceback")
+
 
 class ModelFileContract(ModelFileError):
     """A contract function is missing, or returns something of the wrong kind."""
+
+    default_hint = ("docs/model_file.md says what build_model, get_batch, loss and "
+                    "make_optimizer must return")
 
 
 def locate_in(path: str, exc: BaseException) -> Span | None:
@@ -82,6 +92,53 @@ def def_span(path: str, fn: Any) -> Span | None:
     except OSError:  # pragma: no cover
         same = False
     return line_span(path, code.co_firstlineno, None) if same else None
+
+
+def binding_span(path: str, name: str) -> Span | None:
+    """The module-level statement of the model file that last binds ``name`` (an assignment, a
+    ``def``, a ``class``, an import; inside a top-level ``if``/``try`` too), or None."""
+    text = source_text(path)
+    if text is None:
+        try:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    found: ast.stmt | None = None
+    stack: list[ast.stmt] = list(reversed(tree.body))
+    while stack:
+        node = stack.pop()
+        if name in _bound_names(node):
+            found = node
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            nested = [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])]
+            for handler in getattr(node, "handlers", []):
+                nested.extend(handler.body)
+            stack.extend(reversed(nested))
+    if found is None:
+        return None
+    return line_span(path, found.lineno, found.col_offset)
+
+
+def _bound_names(node: ast.stmt) -> set[str]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(a.asname or a.name).split(".")[0] for a in node.names}
+    targets: list[ast.expr] = []
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+        targets = [node.target]
+    names = set()
+    for t in targets:
+        for sub in ast.walk(t):
+            if isinstance(sub, ast.Name):
+                names.add(sub.id)
+    return names
 
 
 def line_span(path: str, line: int, column: int | None) -> Span:
@@ -179,7 +236,30 @@ class ModelFile:
             what = "the batch size" if name == "get_batch" else "the number of rows asked for"
             raise ModelFileContract(f"{call}: dim 0 of every input and of the target must be "
                                     f"{what} {rows}; shapes: {shapes}", where, file=self.path)
+        self._check_input_dims(inputs)
         return inputs, target
+
+    def _check_input_dims(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """``INPUT_DIMS`` names at most the dims each input has, once each, for at most the
+        inputs there are; an error at the line that binds it."""
+        if self.input_dims is None:
+            return
+        fault = None
+        if len(self.input_dims) > len(inputs):
+            fault = (f"INPUT_DIMS names the dims of {len(self.input_dims)} inputs, but get_batch "
+                     f"gives {len(inputs)}")
+        for i, (names, t) in enumerate(zip(self.input_dims, inputs)):
+            if fault is None and len(names) > t.dim():
+                fault = (f"INPUT_DIMS names {len(names)} dims of input {i} ({', '.join(names)}), "
+                         f"which has {t.dim()} (shape {tuple(t.shape)})")
+            named = [n for n in names if n]
+            if fault is None and len(set(named)) != len(named):
+                fault = f"INPUT_DIMS names a dim of input {i} twice ({', '.join(names)})"
+        if fault is not None:
+            raise ModelFileContract(fault, binding_span(self.path, "INPUT_DIMS"), file=self.path,
+                                    hint="one tuple per input, one name per leading dim, e.g. "
+                                         "INPUT_DIMS = ((\"batch\", \"seq\"),) for (batch, seq) "
+                                         "tokens")
 
     def build(self, *, seed: int = 0) -> torch.nn.Module:
         """The model built under ``torch.manual_seed(seed)``."""
@@ -196,8 +276,13 @@ class ModelFile:
         return model
 
 
+_OWN_DIR = str(Path(__file__).resolve().parent.parent)  # the ssdsl package
+
+
 def _describe(exc: BaseException) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
+    # where it was raised, naming no frame of ssdsl itself (the user cannot act on those)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(_OWN_DIR)]
     where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
     text = str(exc).strip().splitlines()
     first = text[0] if text else ""
@@ -216,6 +301,13 @@ def _kind(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"
     return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _value(value: Any) -> str:
+    """A module-level value as a message quotes it: its repr (cut) and its type."""
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
 
 
 _CACHE: dict[Path, ModelFile] = {}
@@ -266,19 +358,29 @@ def _syntax_error(path: str, exc: SyntaxError) -> ModelFileSyntaxError:
 
 
 def _check(module: Any, path: str) -> ModelFile:
-    missing = [n for n in ("build_model", "get_batch") if not callable(getattr(module, n, None))]
+    # A name the file binds to something else is located at the line that binds it; a name
+    # the file does not define has no line.
+    for fn in ("build_model", "get_batch", "loss", "make_optimizer", "get_batch_shard"):
+        if hasattr(module, fn) and not callable(getattr(module, fn)):
+            raise ModelFileContract(f"'{fn}' must be a function; here it is "
+                                    f"{_value(getattr(module, fn))}", binding_span(path, fn),
+                                    file=path, hint=f"define it with def {fn}(...): "
+                                    "(docs/model_file.md)")
+    missing = [n for n in ("build_model", "get_batch") if not hasattr(module, n)]
     if missing:
         raise ModelFileContract(f"missing function{'s' if len(missing) > 1 else ''} "
                              f"{', '.join(missing)}", file=path,
                              hint="a model file defines build_model() -> nn.Module and "
                              "get_batch(step, batch_size) -> (inputs, target); see the README")
-    for opt in ("loss", "make_optimizer", "get_batch_shard"):
-        if hasattr(module, opt) and not callable(getattr(module, opt)):
-            raise ModelFileContract(f"'{opt}' must be a function", file=path)
+    for fn, params in _CALLED_AS.items():
+        if hasattr(module, fn):
+            _check_signature(getattr(module, fn), fn, params, path)
     batch_size = getattr(module, "BATCH_SIZE", 8)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ModelFileContract(f"BATCH_SIZE must be a positive int, not {batch_size!r}",
-                                file=path)
+        raise ModelFileContract(f"BATCH_SIZE must be a positive int, not {_value(batch_size)}",
+                                binding_span(path, "BATCH_SIZE"), file=path,
+                                hint="e.g. BATCH_SIZE = 8 (the global batch of a step; "
+                                     "--batch-size overrides it)")
     return ModelFile(
         path=path,
         build_model=module.build_model,
@@ -292,6 +394,28 @@ def _check(module: Any, path: str) -> ModelFile:
     )
 
 
+# How ssdsl calls each function of the contract (positional arguments).
+_CALLED_AS = {"build_model": (), "get_batch": ("step", "batch_size"), "loss": ("output", "target"),
+              "make_optimizer": ("params",),
+              "get_batch_shard": ("step", "batch_size", "start", "stop")}
+
+
+def _check_signature(fn: Callable, name: str, params: tuple[str, ...], path: str) -> None:
+    """A function of the contract that cannot be called as ssdsl calls it is an error at its
+    ``def`` line, before anything calls it (rather than a TypeError raised by the call)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to read
+        return
+    try:
+        sig.bind(*params)
+    except TypeError:
+        raise ModelFileContract(
+            f"{name} is called as {name}({', '.join(params)}); it is defined as {name}{sig}",
+            def_span(path, fn) or binding_span(path, name), file=path,
+            hint=f"define it as def {name}({', '.join(params)}): (docs/model_file.md)") from None
+
+
 def _input_dims(value: Any, path: str) -> tuple[tuple[str, ...], ...] | None:
     if value is None:
         return None
@@ -300,5 +424,8 @@ def _input_dims(value: Any, path: str) -> tuple[tuple[str, ...], ...] | None:
         for d in value)
     if not ok:
         raise ModelFileContract("INPUT_DIMS must be a tuple with, for each input, a tuple of "
-                             "dimension names, e.g. ((\"batch\", \"seq\"),)", file=path)
+                                f"dimension names; here it is {_value(value)}",
+                                binding_span(path, "INPUT_DIMS"), file=path,
+                                hint="e.g. INPUT_DIMS = ((\"batch\", \"seq\"),) for one "
+                                     "input of shape (batch, seq)")
     return tuple(tuple(d) for d in value)

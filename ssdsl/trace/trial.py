@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from ssdsl.trace.model_file import (ModelFile, ModelFileContract, ModelFileRaised, _describe,
-                                    _kind, def_span, locate_in)
+                                    _kind, def_span, default_loss, line_span, locate_in)
 
 _TORCH_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx", "torch._dynamo", "torch.export",
                   "torch._export", "torch._functorch", "torch._inductor", "torch.fx.experimental",
@@ -33,13 +34,29 @@ _TORCH_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx", "torch._dynamo", 
 class ModelFileNoParameters(ModelFileContract):
     """``build_model()`` returned a model without trainable parameters."""
 
+    default_hint = "a model to train has parameters with requires_grad=True"
+
 
 class ModelFileBadOutput(ModelFileContract):
     """The forward returned something other than one floating tensor."""
 
+    default_hint = ("the forward returns one floating tensor (wrap a model that returns a "
+                    "tuple or a dict, as examples/hf_llama.py does)")
+
+
+class NonDeterministicBatch(ModelFileContract):
+    """``get_batch`` gave two different batches for the same step."""
+
+
+class RandomOperator(ModelFileContract):
+    """The traced training step draws random numbers (dropout, rand, ...)."""
+
 
 class ModelFileBadLoss(ModelFileContract):
     """The loss is not a floating scalar that depends on the parameters."""
+
+    default_hint = ("loss(output, target) returns one floating scalar computed from the output, "
+                    "e.g. F.cross_entropy(output, target)")
 
 
 @contextlib.contextmanager
@@ -76,9 +93,24 @@ def try_training_step(mf: ModelFile, model: torch.nn.Module,
     try:
         with quiet_torch_logs():
             _step(mf, model, inputs, target)
+            if mf.has_optimizer:
+                _optimizer(mf, params)
     finally:
         for p in params:
             p.grad = None
+
+
+def _optimizer(mf: ModelFile, params: list[torch.nn.Parameter]) -> None:
+    """``make_optimizer(params)`` must give an optimizer (every rank calls it on its shards)."""
+    where = def_span(mf.path, mf.make_optimizer)
+    opt = _call(mf, "make_optimizer(params)", lambda: mf.make_optimizer(params), where)
+    if opt is _SKIP:
+        return
+    if not all(hasattr(opt, a) for a in ("step", "zero_grad", "param_groups")):
+        raise ModelFileContract(
+            f"make_optimizer(params) must return a torch.optim.Optimizer; it returned "
+            f"{_kind(opt)}", where, file=mf.path,
+            hint="return the optimizer, e.g. return torch.optim.AdamW(params, lr=1e-3)")
 
 
 def _step(mf: ModelFile, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
@@ -99,7 +131,12 @@ def _step(mf: ModelFile, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...
             def_span(mf.path, forward), file=mf.path,
             hint="return the floating logits; take argmax (if at all) outside the model")
     where = def_span(mf.path, mf.loss)
-    loss = _call(mf, "the loss", lambda: mf.loss(out, target), where)
+    what = "the loss"
+    if where is None and mf.loss is default_loss:  # what it gets wrong comes from get_batch
+        where = def_span(mf.path, mf.get_batch_fn)
+        what = ("the default loss (cross-entropy of the output's last dim against integer "
+                "targets; define loss(output, target) for another target)")
+    loss = _call(mf, what, lambda: mf.loss(out, target), where)
     if loss is _SKIP:
         return
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -119,6 +156,85 @@ def _step(mf: ModelFile, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...
 
 
 _SKIP = object()
+
+
+def check_batch_deterministic(mf: ModelFile, batch_size: int | None) -> None:
+    """``NonDeterministicBatch`` (at ``get_batch``'s ``def`` line) when two calls of
+    ``get_batch(0, ...)`` differ. The global random generators (torch's, Python's, numpy's)
+    are set to different seeds for the two calls, so that a batch drawn from them differs even
+    where the caller happens to have reseeded them in between; the caller's state is kept."""
+    first, second = (_with_global_seed(seed, lambda: mf.get_batch(0, batch_size))
+                     for seed in (1_234_567, 7_654_321))
+    a, b = (*first[0], first[1]), (*second[0], second[1])
+    if len(a) != len(b) or any(x.shape != y.shape or x.dtype != y.dtype or
+                               not torch.equal(x, y) for x, y in zip(a, b)):
+        raise NonDeterministicBatch(
+            "get_batch(0, batch_size) returned two different batches: every rank calls it and "
+            "must get the same batch", def_span(mf.path, mf.get_batch_fn), file=mf.path,
+            hint="draw the batch from a generator seeded by the step, e.g. "
+            "torch.Generator().manual_seed(step)")
+
+
+def _with_global_seed(seed: int, fn: Any) -> Any:
+    import random
+    np = sys.modules.get("numpy")
+    py_state = random.getstate()
+    np_state = np.random.get_state() if np is not None else None
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            if np is not None:
+                np.random.seed(seed % 2**32)
+            return fn()
+    finally:
+        random.setstate(py_state)
+        if np is not None:
+            np.random.set_state(np_state)
+
+
+def random_operators(graph: Any) -> list[str]:
+    """Names of the operators that draw random numbers in a training step."""
+    from ssdsl.ir.interpret import resolve_target
+    found = []
+    for op in graph.ops:
+        target = resolve_target(op.target)
+        if torch.Tag.nondeterministic_seeded in target.tags and not _draws_nothing(op, target):
+            found.append(op.name)
+    return found
+
+
+def _draws_nothing(op: Any, target: Any) -> bool:
+    """A dropout-like operator with probability 0, or not training (``dropout(x, p, train)``,
+    ``scaled_dot_product_attention(..., dropout_p=0.0)``): it draws nothing."""
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(target._schema.arguments):
+        if i < len(op.args):
+            bound[arg.name] = op.args[i]
+        elif arg.name in dict(op.kwargs):
+            bound[arg.name] = dict(op.kwargs)[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    if "train" in bound and bound["train"] is False:
+        return True
+    return any(bound.get(name) == 0 for name in ("p", "dropout_p"))
+
+
+def refuse_random_operators(graph: Any, path: str, lines: dict[str, int] | None = None) -> None:
+    """``RandomOperator`` naming the first random operator of ``graph``, if any, at the model
+    file's line that calls it when ``lines`` (operator name -> line) knows it."""
+    found = random_operators(graph)
+    if not found:
+        return
+    op = graph.op(found[0])
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    line = (lines or {}).get(op.name)
+    raise RandomOperator(
+        f"the training step draws random numbers: operator '{op.name}' ({op.kind}, in "
+        f"'{op.module or '<top>'}'){more}; each rank would draw different numbers, so the "
+        "parallel run could not equal the single-device model",
+        line_span(path, line, None) if line else None, file=path,
+        hint="set dropout probabilities to 0 (or build the model without random operators)")
 
 
 def _call(mf: ModelFile, what: str, fn: Any, fallback: Any) -> Any:

@@ -258,7 +258,8 @@ class _Builder:
             placed += len(chosen)
         if not placed:
             raise EmptySelection(f"'{d.selector}' selects operators but none of their parts has "
-                                 f"index {prefix}", d.span)
+                                 f"index {prefix}", d.span, hint="a partition or replicate into N "
+                                 "makes the parts 0 to N - 1")
 
     # ------------------------------------------------------------------ result
     def result(self, deferred: tuple) -> Transformed:

@@ -1,4 +1,4 @@
-# expect: ModelFileContract -
+# expect: ModelFileContract @
 import sys
 import torch
 import torch.nn as nn
@@ -24,4 +24,4 @@ def get_batch(step, batch_size):
     y = torch.randint(0, 3, (batch_size,), generator=g)
     return x, y
 
-BATCH_SIZE = 0
+BATCH_SIZE = 0  #<

@@ -1,4 +1,4 @@
-# expect: ModelFileContract -
+# expect: ModelFileContract @
 import sys
 import torch
 import torch.nn as nn
@@ -15,7 +15,7 @@ class Net(nn.Module):
 
 
 build_model = Net
-build_model = 3
+build_model = 3  #<
 
 
 def get_batch(step, batch_size):

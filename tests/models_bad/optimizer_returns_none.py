@@ -1,0 +1,29 @@
+# expect: ModelFileContract @
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BATCH_SIZE = 8
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def build_model():
+    return Net()
+
+
+def get_batch(step, batch_size):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch_size, 16, generator=g), torch.randint(0, 4, (batch_size,), generator=g)
+
+
+def make_optimizer(params):  #<
+    opt = torch.optim.SGD(params, lr=0.1)

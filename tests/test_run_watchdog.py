@@ -1,0 +1,152 @@
+"""A training job (`ssdsl run`) whose rank stops answering ends within 30 s, naming that rank.
+
+The ranks are found from /proc (the children of the `ssdsl run` process), not from the
+launcher's bookkeeping; the rank that is stopped (SIGSTOP) or that sleeps in its model file's
+get_batch is chosen here, and the message must name it. No rank outlives the job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+BOUND_S = 30.0
+
+# Small and fast: thousands of steps, so the job is surely in training when a rank is stopped.
+# Rank SLEEPY (if set) sleeps in get_batch at step 3, as a rank stuck reading its data would.
+MODEL = textwrap.dedent('''
+    import os, time, torch
+    from torch import nn
+
+    BATCH_SIZE = 4
+
+    def build_model():
+        return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+
+    def get_batch(step, batch_size):
+        if step == 3 and os.environ.get("RANK") == os.environ.get("SLEEPY"):
+            time.sleep(3600)  # the line the message must show
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(batch_size, 3, generator=g), torch.randint(0, 2, (batch_size,), generator=g)
+''')
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _start(tmp_path: Path, **env: str) -> subprocess.Popen:
+    model = tmp_path / "small.py"
+    model.write_text(MODEL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ssdsl", "run", str(model), "dp", "--world", "2",
+         "--steps", "100000", "--no-verify", "--timeout", "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env})
+
+
+def _wait_for_training(proc: subprocess.Popen) -> tuple[list[str], dict[int, int]]:
+    """Read the output up to the first step line; the ranks' pids by rank."""
+    seen = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if line.startswith("step "):
+            break
+    assert seen and seen[-1].startswith("step "), "".join(seen)
+    ranks = {_rank_of(p): p for p in _children(proc.pid)}
+    ranks.pop(None, None)
+    assert sorted(ranks) == [0, 1], (ranks, "".join(seen))
+    return seen, ranks
+
+
+def _finish(proc: subprocess.Popen, pids: list[int]) -> str:
+    try:
+        rest, _ = proc.communicate(timeout=BOUND_S + 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in pids:  # never leave a stopped process behind, whatever happened
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    return rest
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_stopped_rank_ends_the_job_and_is_named(tmp_path, victim):
+    proc = _start(tmp_path)
+    seen, ranks = _wait_for_training(proc)
+    os.kill(ranks[victim], signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    end = stopped_at + BOUND_S
+    while proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.1)
+    elapsed = time.monotonic() - stopped_at
+    print(f"job ended {elapsed:.1f} s after rank {victim} was stopped")
+    alive_after = [p for p in ranks.values() if _alive(p)]
+    out = "".join(seen) + _finish(proc, list(ranks.values()))
+    assert elapsed < BOUND_S, out[-3000:]
+    assert proc.returncode not in (0, None), out[-3000:]
+    assert f"rank {victim} failed: stopped answering" in out, out[-3000:]
+    assert "Traceback" not in out
+    time.sleep(1.0)
+    assert not [p for p in alive_after if _alive(p)], "rank processes outlived the job"
+
+
+def test_a_rank_asleep_in_get_batch_is_named_with_its_line(tmp_path):
+    proc = _start(tmp_path, SLEEPY="1", SSDSL_HANG_S="8")
+    seen, ranks = _wait_for_training(proc)
+    start = time.monotonic()
+    end = start + BOUND_S
+    while proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.1)
+    elapsed = time.monotonic() - start
+    print(f"job ended {elapsed:.1f} s after its first step")
+    out = "".join(seen) + _finish(proc, list(ranks.values()))
+    assert elapsed < BOUND_S, out[-3000:]
+    assert proc.returncode not in (0, None), out[-3000:]
+    assert "rank 1 failed: never came to the communication" in out, out[-3000:]
+    line = MODEL.splitlines().index(next(x for x in MODEL.splitlines() if "3600" in x)) + 1
+    assert f"small.py:{line} in get_batch" in out, out[-3000:]
+    assert "Traceback" not in out
+    time.sleep(1.0)
+    assert not [p for p in ranks.values() if _alive(p)], "rank processes outlived the job"
