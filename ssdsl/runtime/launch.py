@@ -543,6 +543,21 @@ def _count_comm_calls() -> None:
             wrapped = counted(fn)
             wrapped._ssdsl_counted = True  # type: ignore[attr-defined]
             setattr(tdist, name, wrapped)
+    # torch tells a point-to-point op's kind by identity (``op.op is isend``): a P2POp made of
+    # the counting wrappers gets the functions they wrap (batch_isend_irecv itself is counted)
+    if not getattr(tdist.P2POp, "_ssdsl_counted", False):
+        class P2POp(tdist.P2POp):
+            _ssdsl_counted = True
+
+            def __new__(cls, op: Any, *args: Any, **kwargs: Any) -> Any:
+                return super().__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
+
+            def __init__(self, op: Any, *args: Any, **kwargs: Any) -> None:
+                super().__init__(getattr(op, "__wrapped__", op), *args, **kwargs)
+
+        P2POp.__qualname__ = P2POp.__name__ = "P2POp"
+        P2POp.__module__ = tdist.P2POp.__module__
+        tdist.P2POp = P2POp
 
 
 def _start_heartbeat(directory: Path, rank: int) -> None:
