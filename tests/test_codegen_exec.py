@@ -181,7 +181,7 @@ def test_compiled_1f1b_on_four_ranks_matches_the_reference(tmp_path, capsys, mon
                  "--dtype", "float64", "--optimizer", "sgd", "--steps", "2", "--check",
                  "--json"])
     result = json.loads(capsys.readouterr().out)
-    assert code == 0 and result["check"]["ok"], result["check"]
+    assert code == 0 and result.get("check", {}).get("ok"), result
 
 
 def test_generated_pipeline_with_recompute_trains_like_single_device(tmp_path):

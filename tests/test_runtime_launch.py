@@ -176,6 +176,25 @@ def test_torch_point_to_point_ops_work_in_a_rank():
     assert launch(p2p_worker, nproc=2) == [[2.0, 2.0], [1.0, 1.0]]
 
 
+def busy_then_meet_worker(busy_s: float) -> int:
+    """Rank 1 computes for ``busy_s`` inside one line (a long call, as a torch.export trace is)
+    while rank 0 already waits in the all-reduce; both then meet."""
+    with distributed(timeout_s=60) as ctx:
+        if ctx.rank == 1:
+            end = time.process_time() + busy_s
+            while time.process_time() < end: pass  # noqa: E701 - one line, never left
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return int(t.item())
+
+
+def test_a_busy_rank_is_not_taken_for_a_hung_one(monkeypatch):
+    """The watchdog names a rank its peers wait for only when it stands still (same line, no
+    CPU): a rank computing past the hang bound inside one line is slow, not hung."""
+    monkeypatch.setattr("ssdsl.runtime.launch.HANG_S", 3.0)
+    assert launch(busy_then_meet_worker, nproc=2, args=(8.0,)) == [2, 2]
+
+
 def test_worker_by_module_function_name():
     results = launch(f"{__name__}:sum_worker", nproc=2, args=(1.0,))
     assert [r[:3] for r in results] == [(0, 2, 3.0), (1, 2, 3.0)]

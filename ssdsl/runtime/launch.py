@@ -62,10 +62,12 @@ _LAUNCH_DIR_VAR = "SSDSL_LAUNCH_DIR"
 _LAUNCHER_PID_VAR = "SSDSL_LAUNCHER_PID"
 # The watchdog: a heartbeat per rank each _BEAT_S; a rank silent for STALE_S is stopped or frozen;
 # peers waiting HANG_S in communication, without a new call, for a rank that is elsewhere and has
-# not moved from its line for HANG_S either (asleep, or blocked on something else), name it.
+# neither moved from its line nor used the CPU for HANG_S (asleep, or blocked on something
+# else), name it.
 # Both can be set in the environment (a model whose steps take longer than HANG_S on one rank while
 # another waits needs a larger value).
 _BEAT_S = 1.0
+_BUSY_CPU_S = 0.05  # CPU seconds between two beats that show a rank computing, not standing still
 STALE_S = float(os.environ.get("SSDSL_STALE_S", "10"))
 HANG_S = float(os.environ.get("SSDSL_HANG_S", "15"))
 
@@ -568,18 +570,23 @@ def _start_heartbeat(directory: Path, rank: int) -> None:
 
     def beat() -> None:
         since, calls, still, last = None, -1, time.time(), None
+        cpu = time.process_time()
         path, tmp = directory / f"rank{rank}.beat", directory / f"rank{rank}.beat.tmp"
         while True:
             frame = sys._current_frames().get(main)
             op, where = _inspect_stack(frame)
-            now = time.time()
+            now, cpu_now = time.time(), time.process_time()
             if op is None:
                 since = None
             elif since is None or calls != _COMM_CALLS[0]:
                 since = now
             calls = _COMM_CALLS[0]
-            if (op, where) != last:
+            # a rank that computes has moved on, even inside one long call (a torch.export
+            # trace at one line of the model's code, on a loaded machine): only a rank that
+            # neither changes its line nor uses the CPU is standing still (asleep, blocked)
+            if (op, where) != last or cpu_now - cpu > _BUSY_CPU_S:
                 still, last = now, (op, where)
+            cpu = cpu_now
             try:
                 tmp.write_bytes(pickle.dumps(_Beat(now, since, op or "", where, still)))
                 tmp.rename(path)
