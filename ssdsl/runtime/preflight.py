@@ -287,7 +287,7 @@ def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: i
     sums = _value_part_sums(t, g, records)
     for _, mb, ins, outs in sorted(records, key=lambda r: (r[0], r[1])):
         op = g.op(ins.op)
-        part = next((p for p in t.parts[op.name] if tuple(p.index) == tuple(ins.part)), None)
+        part = _part_of(t, op.name, ins)
         if part is None:
             continue
         partial = part.value_part(t.label_sizes(op.name))[1] != 1
@@ -309,6 +309,11 @@ def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: i
     return None
 
 
+def _part_of(t: Any, op: str, ins: Any) -> Any:
+    """The part of ``op`` that the call instruction ``ins`` runs (None: not a part of it)."""
+    return next((p for p in t.parts[op] if tuple(p.index) == tuple(ins.part)), None)
+
+
 def _value_part_sums(t: Any, g: Graph, records) -> dict[tuple, torch.Tensor]:
     """For every output region of an operator split into value parts (partial sums), the sum
     of its parts' recorded values, keyed by (operator, micro-batch, output, region); a region
@@ -317,7 +322,7 @@ def _value_part_sums(t: Any, g: Graph, records) -> dict[tuple, torch.Tensor]:
     wanted: dict[tuple, int] = {}
     for _, mb, ins, outs in records:
         op = g.op(ins.op)
-        part = next((p for p in t.parts[op.name] if tuple(p.index) == tuple(ins.part)), None)
+        part = _part_of(t, op.name, ins)
         if part is None:
             continue
         k, v = part.value_part(t.label_sizes(op.name))
