@@ -82,3 +82,127 @@ def test_torchrun_path_local_rank_zero_writes_the_state():
     for name, value in result["params"].items():
         want = ref.final_state[name]
         assert float((value - want).abs().max()) <= 1e-9 * max(1.0, float(want.abs().max()))
+
+
+def _train_with_rank0_meta_trace_failing(spec: JobSpec) -> dict:
+    """As ``_train``, but on rank 0 the trace on meta fails, as torch.export's now and then does
+    ("fake tensor in the exported program constant's list", seen on one rank under load)."""
+    import os
+
+    from ssdsl.runtime import job
+    from ssdsl.trace import TraceError
+    if os.environ["RANK"] == "0":
+        real = job.trace
+
+        def trace(mf, *, device, **kw):
+            if device == "meta":
+                raise TraceError("injected: the meta trace tripped on this rank only")
+            return real(mf, device=device, **kw)
+
+        job.trace = trace
+    return job.rank_main(spec)
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_init_path_when_one_meta_trace_fails():
+    """Rank 0 plans from a real trace, rank 1 from meta: before, rank 1 waited for a state file
+    rank 0 never wrote, until the collective timeout. Now every rank takes the real path, and the
+    run matches the single-device reference."""
+    from ssdsl.runtime.launch import launch
+    from ssdsl.runtime.reference import run_reference
+    from ssdsl.runtime.train import OptimizerSpec
+
+    spec = JobSpec(GPT, "megatron_tp", (("tp", "2"),), steps=2, dtype="float64",
+                   optimizer="sgd")
+    result = launch(_train_with_rank0_meta_trace_failing, nproc=2, args=(spec,), timeout_s=300,
+                    dist_timeout_s=30)[0]
+    ref = run_reference(load_model_file(GPT), steps=2, dtype=torch.float64,
+                        optimizer=OptimizerSpec("sgd"))
+    for a, b in zip(result["losses"], ref.losses, strict=True):
+        assert abs(a - b) < 1e-9 * max(1.0, abs(b))
+
+
+# -- the wait for local rank 0's file is not a collective ------------------------------------------
+
+
+def _threads_share_a_state(monkeypatch, write, n: int = 2):
+    """``shared_state_file`` on ``n`` local ranks as threads (a threading barrier for the
+    collective); returns what each got: a StateFile or the exception it raised."""
+    import threading
+
+    from ssdsl.runtime import init
+    monkeypatch.setattr(init, "_write_state_in_child", write)
+    gate = threading.Barrier(n, timeout=60)
+    mf = load_model_file(GPT)
+    got: list = [None] * n
+
+    def rank(r: int) -> None:
+        try:
+            got[r] = init.shared_state_file(mf, seed=3, local_rank=r, barrier=gate.wait,
+                                            key=f"threads-{id(got)}")
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            got[r] = exc
+            gate.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return got
+
+
+def test_local_ranks_wait_for_the_file_however_long_it_takes(monkeypatch):
+    """Rank 0's write is slow; the others poll for the file, not at the barrier (whose timeout,
+    the collective one in a real job, a large model's write would outlast)."""
+    import threading
+    import time
+
+    from ssdsl.runtime.init import write_state
+    model = load_model_file(GPT).build(seed=3)
+    barrier_waits: list[float] = []
+    real_wait = threading.Barrier.wait
+
+    def timed_wait(self, *a, **k):
+        t = time.monotonic()
+        try:
+            return real_wait(self, *a, **k)
+        finally:
+            barrier_waits.append(time.monotonic() - t)
+
+    monkeypatch.setattr(threading.Barrier, "wait", timed_wait)
+
+    def slow_write(_path, _seed, path):
+        time.sleep(1.5)
+        write_state(model, path)
+
+    got = _threads_share_a_state(monkeypatch, slow_write, n=3)
+    assert all(not isinstance(g, Exception) for g in got), got
+    want = dict(model.named_parameters())
+    g = got[2]._header
+    assert set(want) <= set(g)
+    # nobody stood at a barrier while the file was written
+    assert max(barrier_waits) < 1.0, barrier_waits
+
+
+def test_a_failed_write_reaches_the_other_local_ranks(monkeypatch):
+    def failing_write(_path, _seed, _out):
+        raise RuntimeError("the child ran out of memory")
+
+    got = _threads_share_a_state(monkeypatch, failing_write)
+    assert isinstance(got[0], RuntimeError)
+    assert isinstance(got[1], RuntimeError)
+    assert "local rank 0 could not write" in str(got[1])
+    assert "ran out of memory" in str(got[1])
+
+
+def test_the_wait_is_bounded(monkeypatch):
+    import time
+    monkeypatch.setenv("SSDSL_INIT_TIMEOUT_S", "0.5")
+
+    def hung_write(_path, _seed, _out):
+        time.sleep(2.0)
+        raise RuntimeError("gave up")
+
+    got = _threads_share_a_state(monkeypatch, hung_write)
+    assert "did not write the initial state" in str(got[1]) and "SSDSL_INIT_TIMEOUT_S" in str(got[1])

@@ -11,8 +11,8 @@ is not training, and each rank reads only its regions:
   model once and writes its parameters and buffers to a file (``initial_state_file``); it then
   frees them and starts the ranks.
 - under ``torchrun`` (no planning parent): local rank 0 of each machine has the file written
-  by a child process it starts and waits for, the others wait at a barrier
-  (``shared_state_file``). The child holds the full model once and exits; no rank does.
+  by a child process it starts and waits for, the others wait for the file to appear
+  (``shared_state_file``; not at a collective, whose timeout a large model would outlast). The child holds the full model once and exits; no rank does.
 
 A rank reads its regions out of the file with positioned reads (one per contiguous run), so it
 reads exactly their bytes; memory-mapping was tried first and measured worse: the kernel maps
@@ -261,15 +261,65 @@ def _write_state_main(model_path: str, seed: int, path: str) -> None:
     write_state(load_model_file(model_path).build(seed=seed), path)
 
 
+# How long the other local ranks wait for local rank 0's file (a large model's state takes minutes
+# to build and write; the collective timeout, a bound on a peer that stopped answering, is not it).
+INIT_WAIT_VAR = "SSDSL_INIT_TIMEOUT_S"
+DEFAULT_INIT_WAIT_S = 3600.0
+_INIT_POLL_S = 0.05
+
+
+def _init_wait_s() -> float:
+    value = os.environ.get(INIT_WAIT_VAR)
+    try:
+        return float(value) if value else DEFAULT_INIT_WAIT_S
+    except ValueError:
+        raise RuntimeError(f"{INIT_WAIT_VAR}={value!r} is not a number of seconds") from None
+
+
+def _wait_for_state(path: Path, failed: Path, wait_s: float) -> None:
+    """Until local rank 0 has put ``path`` in place, or said in ``failed`` why it could not."""
+    import time
+    deadline = time.monotonic() + wait_s
+    while not path.exists():
+        if failed.exists():
+            raise RuntimeError("local rank 0 could not write the initial state: "
+                               + failed.read_text(errors="replace").strip())
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"local rank 0 did not write the initial state {path} within "
+                               f"{wait_s:g} s (set {INIT_WAIT_VAR} for a larger model)")
+        time.sleep(_INIT_POLL_S)
+
+
 def shared_state_file(model_file: Any, *, seed: int, local_rank: int, barrier,
                       key: str) -> StateFile:
     """Under torchrun: local rank 0 writes the seeded model's state to a machine-local file,
-    every local rank opens it after ``barrier()``. ``key`` names the job (same on all ranks)."""
+    every local rank opens it. ``key`` names the job (same on all ranks).
+
+    The wait for the file is not a collective: writing a large model's state can outlast the
+    collective timeout, which bounds a peer that stopped answering, not this. Rank 0 clears a
+    stale file of the same name before the first ``barrier()`` (all ranks come to it straight
+    from planning, the same work on each) and has it written (``write_state`` renames a whole
+    file into place); the others poll for the name (or for the reason rank 0 failed) up to
+    ``$SSDSL_INIT_TIMEOUT_S``. The second ``barrier()`` is when everyone has it open."""
     digest = hashlib.sha1(f"{key}:{seed}:{model_file.path}".encode()).hexdigest()[:16]
     path = Path(tempfile.gettempdir()) / f"ssdsl-init-{digest}.pt"
+    failed = path.with_name(path.name + ".failed")
     if local_rank == 0:
-        _write_state_in_child(model_file.path, seed, path)
+        for stale in (path, failed):
+            with contextlib.suppress(OSError):
+                stale.unlink()
     barrier()
+    if local_rank == 0:
+        try:
+            _write_state_in_child(model_file.path, seed, path)  # renamed into place whole
+        except BaseException as exc:
+            with contextlib.suppress(OSError):  # whole, as the state file: never read half
+                said = failed.with_name(failed.name + ".tmp")
+                said.write_text(f"{type(exc).__name__}: {exc}")
+                os.replace(said, failed)
+            raise
+    else:
+        _wait_for_state(path, failed, _init_wait_s())
     state = StateFile(path)
     barrier()  # everyone has it open: the name can go (an open file keeps its data)
     if local_rank == 0:

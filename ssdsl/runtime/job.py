@@ -258,7 +258,11 @@ def plan_with_state(spec: JobSpec, ctx: sdist.DistContext) -> tuple[Any, Materia
         m = plan_from_graph(spec, ctx.world_size, _graph_of(spec), check=False)
         return load_model_file(spec.model), m, StateFile(spec.init_file)
     mf, m, planned_on_meta = plan_for_ranks(spec, ctx.world_size)
-    if not planned_on_meta:  # tensor constants: the real model is needed (a stated limit)
+    # Every rank takes the same path: torch.export on meta now and then trips on a constant it
+    # lifted on one rank and not on another (seen under load), and a rank that planned from a
+    # real trace while its peers wait for the shared state file would never meet them.
+    if not all(sdist.all_gather_objects(planned_on_meta)):
+        # tensor constants, or a meta trace that failed somewhere: the real model is needed
         _, m, model = plan_job(spec, ctx.world_size)
         return mf, m, model
     if spec.init_file is not None:
