@@ -14,6 +14,7 @@ and nothing is decided here that the program does not already say.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ import ssdsl
 from ssdsl.codegen.text import literal, region_text
 from ssdsl.errors import SsdslError
 from ssdsl.lower import Handler, Program, lower_rank, walk
+from ssdsl.lower.build import context_of
 from ssdsl.lower.instr import Coll, P2P
 from ssdsl.lower.text import instruction_text
 from ssdsl.materialize.program import Materialized
@@ -69,7 +71,12 @@ class Stmt:
 
 def cite(span: Span) -> str:
     """``megatron_tp.ssp:20:1``: a plan position without the directory (deterministic)."""
-    return f"{Path(span.file).name}:{span.line}:{span.column}"
+    return f"{_file_name(span.file)}:{span.line}:{span.column}"
+
+
+@functools.lru_cache(maxsize=256)
+def _file_name(path: str) -> str:  # a plan has a few files; its citations number millions
+    return Path(path).name
 
 
 class _Emitter(Handler):
@@ -78,8 +85,9 @@ class _Emitter(Handler):
     def __init__(self, m: Materialized, program: Program) -> None:
         self.m, self.program = m, program
         self.graph = m.transformed.graph
-        self.placed = {(p.op, p.device): p for ps in m.transformed.parts.values() for p in ps}
-        self.edges = list(m.edges)
+        shared = context_of(m)  # made once per plan, not once per rank
+        self.placed = shared.placed
+        self.edges = shared.edge_keys
         self.stmts: list[Stmt] = []
         self.consts: list[str] = []
         self.shards: list[tuple[str, str, str]] = []

@@ -9,6 +9,7 @@ flattened activation, the ``3C`` of a fused QKV projection) has several *factors
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -158,10 +159,11 @@ class Graph:
         return self.inputs[:len(self.inputs) - n] if n else self.inputs
 
     def op(self, name: str) -> Op:
-        for o in self.ops:
-            if o.name == name:
-                return o
-        raise KeyError(name)
+        return self._op_index[name]  # KeyError for an unknown name
+
+    @functools.cached_property
+    def _op_index(self) -> dict[str, Op]:  # planning at scale looks operators up by the million
+        return {o.name: o for o in self.ops}
 
     def producer(self) -> dict[str, Op]:
         """Map from tensor name to the op that produces it."""

@@ -66,7 +66,21 @@ def lower_plan(m: Materialized) -> ProgramSet:
 
 def lower_rank(m: Materialized, rank: int) -> Program:
     """The program of ``rank`` alone."""
-    return _RankLowering(_Context.of(m), rank).program()
+    return _RankLowering(context_of(m), rank).program()
+
+
+_LAST: list[tuple[Materialized, _Context]] = []
+
+
+def context_of(m: Materialized) -> _Context:
+    """What every rank's lowering of ``m`` shares, made once for the plan lowered last (a
+    1,024-rank plan is lowered rank by rank, by the code writer, without holding every
+    program at once)."""
+    if _LAST and _LAST[0][0] is m:
+        return _LAST[0][1]
+    ctx = _Context.of(m)
+    _LAST[:] = [(m, ctx)]
+    return ctx
 
 
 # -- what every rank's lowering shares ------------------------------------------------------------
@@ -83,6 +97,7 @@ class _Context:
     units: tuple[tuple[tuple[int, ...], tuple[tuple[str, Span | None], ...]], ...]
     recompute: dict[str, Span]
     placed: dict[tuple[str, int], Part]
+    edge_keys: tuple[tuple[str, str, int], ...]  # by edge id
 
     @classmethod
     def of(cls, m: Materialized) -> _Context:
@@ -102,7 +117,7 @@ class _Context:
         placed = {(op, p.device): p for op, parts in t.parts.items() for p in parts}
         return cls(m, ops_of, {s: frozenset(d) for s, d in devices.items()}, producer, after,
                    {key: i for i, key in enumerate(m.edges)}, _unit_programs(m), recompute,
-                   placed)
+                   placed, tuple(m.edges))
 
 
 def unit_order(m: Materialized, rank: int) -> tuple[tuple[str, Span | None], ...]:

@@ -13,6 +13,7 @@ the rank and the world. ``parse_program(program_text(p)) == p`` for every lowere
 from __future__ import annotations
 
 import ast
+import functools
 import math
 from typing import Any
 
@@ -61,15 +62,45 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+# Regions and spans recur across the instructions of every rank (a 1,024-rank plan writes
+# millions of them); their fields are ints and strings, so equal values have equal text and
+# caching by value is exact (not so for calls: ``1 == 1.0 == True`` would share a text).
+@functools.lru_cache(maxsize=1 << 16)
+def _region_lit(v: Region) -> str:
+    return f"R({_lit(v.shape)}, {_lit(v.intervals)}, {_lit(v.part)})"
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _span_lit(v: Span) -> str:  # ``via`` is not part of a span's text nor of its equality
+    return f"Span({v.file!r}, {v.line}, {v.column}, {v.end_line}, {v.end_column})"
+
+
+# A call or a step is one object shared by every micro-batch (and often by ranks alike) but
+# compares equal to ones of other text (``1 == 1.0``): cached by identity, the object kept alive
+# with its text so that its id is not reused while cached.
+_BY_ID: dict[int, tuple[Any, str]] = {}
+
+
+def _object_lit(v: Any) -> str:
+    hit = _BY_ID.get(id(v))
+    if hit is not None and hit[0] is v:
+        return hit[1]
+    text = f"{type(v).__name__}({_fields(v)})"
+    if len(_BY_ID) >= 1 << 16:
+        _BY_ID.clear()
+    _BY_ID[id(v)] = (v, text)
+    return text
+
+
 def _lit(v: Any) -> str:
     if isinstance(v, Slot):
         return f"S({v.index})"
     if isinstance(v, Region):
-        return f"R({_lit(v.shape)}, {_lit(v.intervals)}, {_lit(v.part)})"
+        return _region_lit(v)
     if isinstance(v, Span):
-        return f"Span({v.file!r}, {v.line}, {v.column}, {v.end_line}, {v.end_column})"
+        return _span_lit(v)
     if isinstance(v, (LocalCall, Coll, P2P, Msg)):
-        return f"{type(v).__name__}({_fields(v)})"
+        return _object_lit(v)
     if isinstance(v, tuple):
         inner = ", ".join(_lit(x) for x in v)
         return f"({inner},)" if len(v) == 1 else f"({inner})"

@@ -32,6 +32,7 @@ distinct devices. ``count`` is the number of primitive calls (one per group, one
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import attrs
@@ -182,8 +183,8 @@ class Adapter:
         """The kinds of the steps in order, e.g. ``('all_reduce',)``."""
         return tuple(s.kind for s in self.steps)
 
-    @property
-    def devices(self) -> frozenset[int]:
+    @functools.cached_property
+    def devices(self) -> frozenset[int]:  # asked by every rank's lowering for every adapter
         return frozenset(d for d, _ in self.producers) | frozenset(d for d, _ in self.consumers)
 
     def accounting(self) -> dict[str, tuple[int, int]]:
