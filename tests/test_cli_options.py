@@ -185,3 +185,28 @@ def test_run_shows_its_first_line_before_torch_is_imported():
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.stdout.split() == ["2", "False", "True"], out.stdout + out.stderr
     assert "model file not found: no_such_model.py" in out.stderr
+
+
+def test_debug_drops_the_advice_to_run_with_debug(tmp_path, monkeypatch, capsys) -> None:
+    """Under --debug the error is raised with its traceback: its hint no longer tells the user
+    to run with --debug (the rest of the hint stays); without --debug it does."""
+    import pytest
+
+    from ssdsl.cli import main
+    from ssdsl.errors import SsdslError
+    from ssdsl.trace import model_file
+
+    def failing(path, *a, **k):
+        raise SsdslError("torch.export failed", file=str(path),
+                         hint="run with --debug for the full traceback; data-dependent control "
+                         "flow is a common cause")
+
+    monkeypatch.setattr(model_file, "load_model_file", failing)
+    model = tmp_path / "m.py"
+    model.write_text("")
+    assert main(["trace", str(model)]) == 2
+    assert "run with --debug for the full traceback" in capsys.readouterr().err
+    with pytest.raises(SsdslError) as caught:
+        main(["--debug", "trace", str(model)])
+    assert "--debug" not in str(caught.value)
+    assert caught.value.hint == "data-dependent control flow is a common cause"

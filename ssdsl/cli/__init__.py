@@ -83,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except SsdslError as err:
         if args.debug:
+            _drop_debug_advice(err)
             raise
         if getattr(args, "json", False):
             print_json_error(err, getattr(args, "command", None))
@@ -95,6 +96,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `ssdsl ... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+
+
+def _drop_debug_advice(err: SsdslError) -> None:
+    """Under ``--debug`` the traceback follows the message: a hint saying "run with --debug"
+    would send the user round in a circle, so that clause goes (the rest of the hint stays)."""
+    from ssdsl.errors import ErrorGroup
+    for e in err.errors if isinstance(err, ErrorGroup) else [err]:
+        if e.hint and "--debug" in e.hint:
+            e.hint = "; ".join(c for c in e.hint.split("; ") if "--debug" not in c) or None
 
 
 def error_json(err: SsdslError, command: str | None = None) -> dict:
