@@ -118,3 +118,25 @@ def test_check_prints_it_briefly(path: Path, capsys) -> None:
     assert len(text.splitlines()) < 40, text
     assert f"{path.name}:{line}:{column}: " in text, text
     assert "\nhint: " in text, text
+
+
+def test_a_misspelt_dim_gets_the_nearest_name(tmp_path) -> None:
+    """The hint names the dim the selected operators have that the plan most likely meant, and
+    none when nothing is near (oracle: the dims `ssdsl trace` lists for a linear: batch, seq,
+    in, out)."""
+    graph = graph_of(EXAMPLES / "gpt.py")
+
+    def hint_for(dim: str) -> str:
+        path = tmp_path / f"misspelt_{dim}.ssp"
+        path.write_text(f"plan misspelt(tp: int = world)\n"
+                        f"partition h.*.mlp.c_fc along {dim} into tp\n"
+                        f"replicate rest into tp\nassign each part i to device i\n")
+        with pytest.raises(SsdslError) as info:
+            schedule_plan(graph, elaborate_file(path, world=2))
+        err = info.value.errors[0] if isinstance(info.value, ErrorGroup) else info.value
+        assert type(err).__name__ == "MissingDim" and (err.span.line, err.span.column) == (2, 1)
+        return err.hint
+
+    assert hint_for("outt").startswith("did you mean 'out'?")
+    assert hint_for("sequ").startswith("did you mean 'seq'?")
+    assert "did you mean" not in hint_for("hiden")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 
 import attrs
@@ -59,9 +60,10 @@ class _Builder:
         labels = {n: self._label(n, d.dim, d.parts) for n in names}
         if not any(labels.values()):
             raise MissingDim(self._missing_message(names, d.dim), d.span,
-                             hint="`ssdsl trace MODEL` shows each operator's dims")
+                             hint=self._missing_hint(names, d.dim))
         if len(names) == 1 and labels[names[0]] is None:
-            raise MissingDim(self._missing_message(names, d.dim), d.span)
+            raise MissingDim(self._missing_message(names, d.dim), d.span,
+                             hint=self._missing_hint(names, d.dim))
         # The split follows the data inside the selection: an operator without the dim whose
         # input carries a dim split here (the GELU between Megatron's two MLP linears) is split
         # along the dim that input flows into; then, backwards, one whose output feeds a dim
@@ -176,6 +178,15 @@ class _Builder:
             if group:
                 return group[0]
         return None
+
+    def _missing_hint(self, names: Sequence[str], dim: str) -> str:
+        """The nearest dim name the selected operators have (a misspelling), then where to
+        see them all."""
+        have = [w for n in names if isinstance(self.anns[n], Annotation)
+                for w in _plan_dims(self.anns[n]).split(", ")]
+        near = difflib.get_close_matches(dim, list(dict.fromkeys(have)), n=1, cutoff=0.6)
+        see = "`ssdsl trace MODEL` shows each operator's dims"
+        return f"did you mean '{near[0]}'? {see}" if near else see
 
     def _missing_message(self, names: Sequence[str], dim: str) -> str:
         op = self.graph.op(names[0])
