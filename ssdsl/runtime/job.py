@@ -84,6 +84,9 @@ def plan_job(spec: JobSpec, world: int, *, model_file: Any = None
     return mf, m, model
 
 
+_META_TRACES = 2  # tries of the trace on meta before a rank plans from the real model
+
+
 def plan_for_ranks(spec: JobSpec, world: int) -> tuple[Any, Materialized, bool]:
     """Model file and materialized plan as a rank makes them: traced on ``meta`` (the model's
     tensors are never built), creation operators moved back to the CPU. The flag is False when
@@ -94,11 +97,17 @@ def plan_for_ranks(spec: JobSpec, world: int) -> tuple[Any, Materialized, bool]:
     dtype = DTYPES[spec.dtype]
     with torch.device("meta"):
         model = mf.build(seed=spec.seed).to(dtype=dtype)
-    try:
-        graph = trace(mf, device="meta", batch_size=spec.batch_size, model=model)
-    except TraceError:
-        # torch.export on meta sometimes trips on a constant it lifted ("fake tensor in
-        # exported program constant's list"): plan from a real trace; a real fault recurs there
+    graph = None
+    for _attempt in range(_META_TRACES):
+        try:
+            graph = trace(mf, device="meta", batch_size=spec.batch_size, model=model)
+            break
+        except TraceError:
+            # torch.export on meta now and then trips on a constant it lifted ("fake tensor in
+            # exported program constant's list"; one rank of a CI run under load): trace again,
+            # then plan from a real trace, where a real fault recurs
+            continue
+    if graph is None:
         return (*plan_job(spec, world)[:2], False)
     if has_tensor_constants(graph):
         return (*plan_job(spec, world)[:2], False)
