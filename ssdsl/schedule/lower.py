@@ -54,6 +54,10 @@ class OrderConflict(LowerError):
     """An ``a before b`` statement contradicts an order sequence or the data dependencies."""
 
 
+class OverlappingStageGroups(LowerError):
+    """Two stages on device groups that share devices without being the same group."""
+
+
 class SeveralPipelines(LowerError):
     """More than one ``stages`` statement: one pipeline per plan is supported."""
 
@@ -91,6 +95,27 @@ def _stage_groups(directives: Sequence[object], st: Stages) -> list[tuple[int, .
         if i not in groups:
             errors.add(UnassignedStage(f"stage {st.name}[{i}] is not assigned to any device",
                                        st.span, hint=f"add 'assign {st.name}[{i}] to device N'"))
+    errors.raise_if_any()
+    # A device runs the program of one pipeline rank: stages on the same group share a rank
+    # (interleaved chunks), stages on disjoint groups are different ranks. A group that
+    # overlaps another (one stage on devices 0..4, the next on device 0 alone: the interlaced
+    # pipeline) would put a device in two ranks, which nothing merges into one program yet.
+    seen: dict[tuple[int, ...], tuple[int, Span]] = {}
+    for i in range(st.count):
+        devs, span = groups[i]
+        for other, (j, other_span) in seen.items():
+            shared = sorted(set(devs) & set(other))
+            if shared and other != devs:
+                errors.add(OverlappingStageGroups(
+                    f"stage {st.name}[{i}] is assigned to devices {list(devs)}, which share "
+                    f"device{'s' if len(shared) > 1 else ''} {', '.join(map(str, shared))} with "
+                    f"the devices {list(other)} of stage {st.name}[{j}] (line {other_span.line}); "
+                    "a device runs one pipeline rank's units", span,
+                    hint="assign each stage to the same device group as the stages it shares "
+                    "devices with, or to devices no other stage uses (a stage that runs on all "
+                    "devices inside a pipeline, the interlaced pipeline, is not supported yet)"))
+                break
+        seen.setdefault(devs, (i, span))
     errors.raise_if_any()
     return [groups[i][0] for i in range(st.count)]
 
