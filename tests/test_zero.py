@@ -328,3 +328,18 @@ def test_run_check_on_gloo(capsys, stage, optimizer):
     first = "all_reduce" if stage == 1 else "reduce_scatter"
     assert out["communication"]["gradients"][first]["bytes"] == (2 if stage == 1 else 1) * s
     assert out["communication"]["gradients"]["all_gather"]["bytes"] == s
+
+
+def test_cost_model_counts_the_shards():
+    """The cost model's static memory of a device (float32, AdamW: 8 bytes of state per element
+    stepped): dp holds N of each; stage 2 steps and keeps the gradient of ceil(N / p) only."""
+    from ssdsl.cost.profiles import Cluster, profile
+    from ssdsl.cost.work import CostOptions, plan_costs
+    opts = CostOptions(profile=profile("a100"), cluster=Cluster(4, 8))
+    n, chunk = 11472, 11472 // 4
+    want = {0: (4 * n, 4 * n, 8 * n), 2: (4 * n, 4 * chunk, 8 * chunk)}
+    for stage, (params, grads, state) in want.items():
+        plan = elaborate_file("dp", world=4) if stage == 0 else _dp_zero(4, stage)
+        m, _ = _lower(MLP, plan, dtype=torch.float32)
+        mem = plan_costs(m, opts).memory[0]
+        assert (mem.params, mem.grads, mem.optimizer) == (params, grads, state), stage
