@@ -343,3 +343,17 @@ def test_cost_model_counts_the_shards():
         m, _ = _lower(MLP, plan, dtype=torch.float32)
         mem = plan_costs(m, opts).memory[0]
         assert (mem.params, mem.grads, mem.optimizer) == (params, grads, state), stage
+
+
+def test_checkpoint_of_sharded_optimizer_state_is_refused_at_the_zero_line():
+    """A checkpoint stores optimizer state per weight shard; a sharded bucket's is per chunk of
+    the flat bucket, so saving it would lose it silently: refused, at the zero statement."""
+    from ssdsl.runtime.checkpoint import CheckpointError, rank_checkpoint
+    from ssdsl.runtime.executor import RankProgram
+    m, progs = _lower(MLP, _dp_zero(2, 2))
+    mf = load_model_file(str(MLP))
+    prog = RankProgram(m, 0, mf, mf.build(seed=0).to(torch.float64), dtype=torch.float64,
+                       optimizer=ADAMW, groups=None, program=progs[0])
+    with pytest.raises(CheckpointError) as info:
+        rank_checkpoint(prog, step=1, state_keys=[])
+    assert info.value.span.file.endswith("dp_zero.ssp") and info.value.span.line == 12
