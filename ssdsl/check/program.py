@@ -6,7 +6,7 @@ and buckets they were lowered from):
 1. *Structure* of each rank's program: units open and close in turn, each at most once, a
    backward after its forward, in the order the plan's ``order`` statements gave; recomputed
    regions close and contain no communication; the step ends with its buckets, the loss sum and
-   one optimizer step.
+   one optimizer step, followed only by the all-gather of each ZeRO-sharded bucket.
 2. *Data*: every value an instruction reads was defined earlier on that rank and not freed;
    a backward ``Comm`` follows its forward.
 3. *Communication*: every rank's walk runs in this process with abstract payloads
@@ -127,14 +127,22 @@ def _structure(p: Program, m: Any) -> None:
             region = True
         elif k == "end_recompute":
             region = False
-        elif k in ("comm", "backward", "reduce", "loss_sum", "step", "wait_sends") and region:
+        elif k in ("comm", "backward", "reduce", "loss_sum", "step", "wait_sends",
+                   "gather") and region:
             raise RecomputeCommunicates(
                 f"{where}: a recomputed region holds a {k} instruction: recomputing it in "
                 "backward would run it twice", _near(p, i),
                 hint="recompute only operators between two communication points")
-        elif k in ("reduce", "loss_sum", "wait_sends", "step"):
+        elif k in ("reduce", "loss_sum", "wait_sends", "step", "gather"):
             if open_unit is not None:
                 raise BadStepTail(f"{where}: {k} inside unit {open_unit}", _near(p, i))
+            if steps and k != "gather":
+                raise BadStepTail(f"{where}: {k} after the optimizer step (only the all-gathers "
+                                  "of sharded buckets follow it)", _near(p, i))
+            if k == "gather" and not steps:
+                raise BadStepTail(f"{where}: the all-gather of sharded bucket {ins.bucket} "
+                                  "before the optimizer step: it would gather chunks not yet "
+                                  "updated", _near(p, i))
             tail = True
             steps += k == "step"
         elif k not in ("wait_sends",) and open_unit is None and k not in ("free",):
@@ -143,10 +151,10 @@ def _structure(p: Program, m: Any) -> None:
     if open_unit is not None:
         raise BadUnitStructure(f"rank {p.rank}: unit {open_unit} never ends",
                                _near(p, len(p.instructions) - 1))
-    last = p.instructions[-1] if p.instructions else None
-    if steps != 1 or last is None or last.kind != "step":
+    if steps != 1:
         raise BadStepTail(f"rank {p.rank}: the step must end with exactly one optimizer step "
                           f"(found {steps})", _near(p, len(p.instructions) - 1))
+    _sharded(p)
     sums = sum(ins.kind == "loss_sum" or (ins.kind == "reduce" and ins.loss)
                for ins in p.instructions)
     if sums != 1:
@@ -173,6 +181,29 @@ def _order(p: Program, m: Any, units: list[tuple[str, int]]) -> None:
                                "order does not give it", _near(p, i))
 
 
+def _sharded(p: Program) -> None:
+    """Each ZeRO-sharded bucket is gathered once after the step, from the group it was reduced
+    over; nothing else is gathered (a missing gather leaves the other chunks stale)."""
+    reduced = {ins.bucket: (i, ins) for i, ins in enumerate(p.instructions)
+               if ins.kind == "reduce" and ins.zero}
+    gathered: dict[int, int] = {}
+    for i, ins in enumerate(p.instructions):
+        if ins.kind != "gather":
+            continue
+        red = reduced.get(ins.bucket)
+        if red is None or ins.bucket in gathered or red[1].group != ins.group \
+                or red[1].entries != ins.entries:
+            why = ("twice" if ins.bucket in gathered else "without sharding it" if red is None
+                   else "over another group or other weights than it was reduced")
+            raise BadStepTail(f"rank {p.rank} gathers bucket {ins.bucket} {why}", _near(p, i))
+        gathered[ins.bucket] = i
+    for bucket, (i, _) in sorted(reduced.items()):
+        if bucket not in gathered:
+            raise BadStepTail(f"rank {p.rank} steps only its chunk of sharded bucket {bucket} "
+                              "and never gathers the others' chunks", _near(p, i),
+                              hint="a GatherBucket after the optimizer step rebuilds them")
+
+
 def _buckets(p: Program, m: Any) -> None:
     want = [i for i, b in enumerate(m.reducer.buckets) if p.rank in b.devices]
     got = [(i, ins) for i, ins in enumerate(p.instructions) if ins.kind == "reduce"]
@@ -182,6 +213,11 @@ def _buckets(p: Program, m: Any) -> None:
         raise BadStepTail(f"rank {p.rank} reduces gradient buckets {have}, the plan needs "
                           f"{want}" + (f" (bucket {missing[0]} is missing)" if missing else ""),
                           _near(p, got[0][0] if got else len(p.instructions) - 1))
+    for i, ins in got:
+        stage = m.reducer.buckets[ins.bucket].zero
+        if ins.zero != stage:
+            raise BadStepTail(f"rank {p.rank} reduces bucket {ins.bucket} at ZeRO stage "
+                              f"{ins.zero}, the plan says {stage}", _near(p, i))
 
 
 # -- 2. data ---------------------------------------------------------------------------------------
@@ -218,8 +254,10 @@ class _Abstract(Handler):
         if k == "comm":
             return self._comm(ins)
         if k == "reduce":
-            return self._meet(Coll("all_reduce", ins.group), ins,
+            return self._meet(Coll(ins.collective, ins.group), ins,
                               ("reduce", ins.bucket, ins.loss))
+        if k == "gather":
+            return self._meet(Coll("all_gather", ins.group), ins, ("gather", ins.bucket))
         if k == "loss_sum":
             return self._meet(Coll("all_reduce", ins.group), ins, ("loss",))
         return None

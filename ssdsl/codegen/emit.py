@@ -188,8 +188,13 @@ class _Emitter(Handler):
         self._hand(ins, "wait for the sends in flight")
 
     def on_reduce(self, ins) -> None:
-        self._hand(ins, f"all_reduce {len(ins.entries)} weight gradients over "
-                   f"{ins.group}" + (", and the step's loss" if ins.loss else ""))
+        zero = f" (ZeRO stage {ins.zero}: this rank steps its chunk)" if ins.zero else ""
+        self._hand(ins, f"{ins.collective} {len(ins.entries)} weight gradients over "
+                   f"{ins.group}" + (", and the step's loss" if ins.loss else "") + zero)
+
+    def on_gather(self, ins) -> None:
+        self._hand(ins, f"all_gather the stepped chunks of {len(ins.entries)} weights over "
+                   f"{ins.group}")
 
     def on_loss_sum(self, ins) -> None:
         self._hand(ins, "the step's loss: all_reduce over every rank")

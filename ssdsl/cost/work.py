@@ -12,12 +12,15 @@ gradient, the producer's backward).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
-from ssdsl.cost.collectives import Link, all_reduce_time, collective_time, link_for, p2p_time
+from ssdsl.cost.collectives import (Link, all_gather_time, all_reduce_time, collective_time,
+                                    link_for, p2p_time, reduce_scatter_time)
 from ssdsl.cost.ops import VIEW_KINDS, Work, aten_name, item_bytes, work_of
 from ssdsl.cost.profiles import Cluster, DeviceProfile
 from ssdsl.ir.region import Region
@@ -333,12 +336,16 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
     master = 4 if opts.itemsize < 4 else 0  # half precision keeps an fp32 master copy
     p = opts.profile
     memory, optimizer, reducer = {}, {}, {}
+    # ZeRO: a device steps (and keeps optimizer state for) 1/p of a sharded bucket, and under
+    # stage 2 keeps only that chunk's gradient
+    stepped, grads = _zero_shares(m, held)
     for d in devices:
         numel = sum(held[d].values())
         params = numel * opts.itemsize
-        memory[d] = StaticMemory(params, params, numel * (4 * states + master))
+        memory[d] = StaticMemory(params, grads[d] * opts.itemsize,
+                                 stepped[d] * (4 * states + master))
         # read parameter and gradient, read and write each state, write the parameter
-        moved = numel * (3 * opts.itemsize + 8 * states + 2 * master)
+        moved = stepped[d] * (3 * opts.itemsize + 8 * states + 2 * master)
         optimizer[d] = len(held[d]) * p.param_overhead * (1 + states) + moved / p.bytes_rate()
         reducer[d] = 0.0
     scale = opts.itemsize / m.dtype.itemsize
@@ -346,10 +353,37 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
     for bucket in m.reducer.buckets:
         link = link_for(bucket.devices, p, opts.cluster,
                         sharing=_concurrent_sets(bucket.devices, sets, opts.cluster))
-        time = all_reduce_time(len(bucket.devices), bucket.size * scale, link)
+        time = _bucket_time(bucket, bucket.size * scale, link)
         for d in bucket.devices:
             reducer[d] = reducer.get(d, 0.0) + time
     return memory, reducer, optimizer
+
+
+def _zero_shares(m: Materialized, held: Mapping[int, Mapping[tuple[str, Region], int]]
+                 ) -> tuple[dict[int, float], dict[int, float]]:
+    """Per device, the elements its optimizer steps and the gradient elements it keeps."""
+    stepped = defaultdict(float, {d: float(sum(h.values())) for d, h in held.items()})
+    grads = defaultdict(float, stepped)
+    for b in m.reducer.buckets:
+        if not b.zero:
+            continue
+        numel = sum(held[d].get(e, 0) for e in b.entries for d in b.devices[:1])
+        share = numel - math.ceil(numel / len(b.devices))
+        for d in b.devices:
+            stepped[d] -= share
+            if b.zero >= 2:
+                grads[d] -= share
+    return stepped, grads
+
+
+def _bucket_time(bucket: Any, n: float, link: Link) -> float:
+    """A bucket's collectives: an all-reduce; sharded, a reduce-scatter (stage 2) or all-reduce
+    (stage 1), then the all-gather of the stepped chunks."""
+    p = len(bucket.devices)
+    if not bucket.zero:
+        return all_reduce_time(p, n, link)
+    first = reduce_scatter_time(p, n, link) if bucket.zero >= 2 else all_reduce_time(p, n, link)
+    return first + all_gather_time(p, n / p, link)
 
 
 def loss_reduce_time(opts: CostOptions, devices: tuple[int, ...]) -> float:

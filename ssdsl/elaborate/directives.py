@@ -355,17 +355,23 @@ class Recompute(_Directive):
         return f"recompute {self.selector}"
 
 
+ZERO_STAGES = (1, 2, 3)
+
+
 @attrs.frozen
 class Zero(_Directive):
-    """Shard the optimizer state of the selected operators' weights over ``devices``."""
+    """Shard the optimizer state of the selected operators' weights over ``devices`` (ZeRO
+    ``stage`` 1); stage 2 also keeps only a shard of their reduced gradients, stage 3 also of
+    the weights themselves."""
 
     kind: ClassVar[str] = "zero"
     selector: Selector
     devices: tuple[int, ...]
     span: Span
+    stage: int = attrs.field(default=1, kw_only=True)
 
     def __str__(self) -> str:
-        return f"zero {self.selector} over {_devices(self.devices)}"
+        return f"zero {self.selector} over {_devices(self.devices)} stage {self.stage}"
 
 
 @attrs.frozen

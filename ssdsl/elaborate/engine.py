@@ -311,7 +311,12 @@ class Elaborator(Places):
 
     def _zero(self, s: A.Zero, env: dict) -> None:
         sel = self.sel(s.selector, env) if s.selector is not None else ALL
-        self.emit(D.Zero(sel, self.place(s.place, env), s.span))
+        stage = self._int(s.stage, env, "zero stage") if s.stage is not None else 1
+        if stage not in D.ZERO_STAGES:
+            raise E.WrongValue(f"zero stage {stage} does not exist", s.stage.span,
+                               hint="stage 1 shards the optimizer state, 2 also the gradients, "
+                               "3 also the parameters")
+        self.emit(D.Zero(sel, self.place(s.place, env), s.span, stage=stage))
 
     def _mesh(self, s: A.Mesh, env: dict) -> None:
         if s.name in self.meshes:

@@ -16,7 +16,8 @@ runs ``F(0, k) B(0, k)`` for every micro-batch) are written out instruction by i
   calls inside one segment: a communication point ends a run, so recompute never communicates.
 - after the units: ``WaitSends``, the weight-gradient buckets this rank is in, ``LossSum`` (unless
   the step's loss rides in the last bucket of all ranks), and
-  ``OptimizerStep``.
+  ``OptimizerStep``; then a ``GatherBucket`` per ZeRO-sharded bucket (``zero``), which rebuilds
+  the weights from the chunks each member stepped.
 
 Message tags are unique per (edge, micro-batch, direction, message), so messages in flight at
 the same time never match each other's receives.
@@ -32,8 +33,8 @@ import torch
 
 from ssdsl.ir.graph import Op
 from ssdsl.ir.region import Region
-from ssdsl.lower.instr import (Backward, Begin, Call, Coll, Comm, Cut, End, Free, LocalAdapter,
-                               LocalStep, LossSum, Msg, OptimizerStep, P2P, Program,
+from ssdsl.lower.instr import (Backward, Begin, Call, Coll, Comm, Cut, End, Free, GatherBucket,
+                               LocalAdapter, LocalStep, LossSum, Msg, OptimizerStep, P2P, Program,
                                RecomputeBegin, RecomputeEnd, ReduceBucket, TakeBuffer, TakeInput,
                                TakeParam, WaitSends, moves, reads, writes)
 from ssdsl.materialize.program import Edge, Materialized
@@ -241,17 +242,22 @@ class _RankLowering:
         tail = self._anchor()
         self.out.append(WaitSends(span=tail))
         everyone = tuple(range(self.t.world))
-        # the step's loss rides in the last bucket that every rank reduces, if there is one
-        carrier = max((i for i, b in enumerate(self.m.reducer.buckets)
-                       if tuple(b.devices) == everyone), default=None)
-        for i, b in enumerate(self.m.reducer.buckets):
+        # the step's loss rides in the last bucket that every rank all-reduces, if there is one
+        # (a reduce-scatter gives each rank only its chunk: the loss cannot ride in it)
+        buckets = self.m.reducer.buckets
+        carrier = max((i for i, b in enumerate(buckets)
+                       if tuple(b.devices) == everyone and b.zero < 2), default=None)
+        for i, b in enumerate(buckets):
             if self.rank in b.devices:
                 self.out.append(ReduceBucket(i, tuple(b.devices), tuple(b.entries),
-                                             span=self._weight_span(b.entries),
-                                             loss=i == carrier))
+                                             span=b.span or self._weight_span(b.entries),
+                                             loss=i == carrier, zero=b.zero))
         if carrier is None:
             self.out.append(LossSum(everyone, span=tail))
         self.out.append(OptimizerStep(span=tail))
+        for i, b in enumerate(buckets):
+            if self.rank in b.devices and b.zero:
+                self.out.append(GatherBucket(i, tuple(b.devices), tuple(b.entries), span=b.span))
         return Program(self.rank, self.t.world, tuple(_fill_recompute(self.out)))
 
     def _anchor(self) -> Span | None:

@@ -257,7 +257,13 @@ class ReduceBucket:
     """All-reduce over ``group`` the gradients of ``entries`` (weight tensor, region), flattened.
 
     With ``loss``, the loss parts this rank counts ride in the same all-reduce (one element
-    after the gradients): the step's loss, without a collective of its own (``LossSum``)."""
+    after the gradients): the step's loss, without a collective of its own (``LossSum``).
+
+    ``zero`` > 0: a ZeRO-sharded bucket. This rank owns chunk ``group.index(rank)`` of the flat
+    bucket (``ssdsl.materialize.reducer.shard_range``) and the optimizer steps only that chunk.
+    Stage 1 all-reduces the whole flat bucket and keeps it; stage 2 reduce-scatters it (padded
+    to a multiple of the group size), keeps the chunk's gradient and frees the others; a
+    ``GatherBucket`` after the optimizer step rebuilds the weights."""
 
     kind: ClassVar[str] = "reduce"
     bucket: int
@@ -265,6 +271,24 @@ class ReduceBucket:
     entries: tuple[tuple[str, Region], ...]
     span: Span | None = _span()
     loss: bool = False
+    zero: int = 0
+
+    @property
+    def collective(self) -> str:
+        """The collective this bucket's gradients travel in."""
+        return "reduce_scatter" if self.zero >= 2 else "all_reduce"
+
+
+@attrs.frozen
+class GatherBucket:
+    """After the optimizer step: all-gather over ``group`` the chunks of sharded bucket
+    ``bucket`` that each member stepped, into the weights of ``entries`` on every member."""
+
+    kind: ClassVar[str] = "gather"
+    bucket: int
+    group: tuple[int, ...]
+    entries: tuple[tuple[str, Region], ...]
+    span: Span | None = _span()
 
 
 @attrs.frozen
@@ -286,11 +310,11 @@ class OptimizerStep:
 
 Instr = (Begin | End | TakeInput | TakeParam | TakeBuffer | Call | Cut | LocalAdapter | Comm
          | Backward | RecomputeBegin | RecomputeEnd | Free | WaitSends | ReduceBucket | LossSum
-         | OptimizerStep)
+         | OptimizerStep | GatherBucket)
 
 INSTRUCTIONS: tuple[type, ...] = (Begin, End, TakeInput, TakeParam, TakeBuffer, Call, Cut,
                                   LocalAdapter, Comm, Backward, RecomputeBegin, RecomputeEnd, Free,
-                                  WaitSends, ReduceBucket, LossSum, OptimizerStep)
+                                  WaitSends, ReduceBucket, LossSum, OptimizerStep, GatherBucket)
 BY_KIND: dict[str, type] = {c.kind: c for c in INSTRUCTIONS}
 
 

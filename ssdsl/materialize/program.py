@@ -19,14 +19,16 @@ from typing import Any
 import attrs
 import torch
 
+from ssdsl.elaborate.directives import Zero
 from ssdsl.errors import SsdslError
 from ssdsl.ir.grad import grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.materialize.fanout import gather_fanouts
 from ssdsl.materialize.plan import plan_adapter
-from ssdsl.materialize.reducer import GradReducer, Weight, plan_grad_reducer
+from ssdsl.materialize.reducer import GradReducer, Weight, ZeroSpec, plan_grad_reducer
 from ssdsl.materialize.steps import Adapter
 from ssdsl.transform.parts import Part, Transformed
+from ssdsl.transform.select import select_ops
 
 
 class UnsupportedPlacement(SsdslError):
@@ -135,7 +137,21 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     weights, scales = _weights(t, reads, dtype, partial)
     uses = {key: SourceUse(key[0], _region(t, key[0], p.sub.inputs[key[2]]), scales.get(key, 1.0))
             for key, p in reads.items()}
-    return Materialized(t, edges, uses, plan_grad_reducer(weights), dtype, schedule)
+    return Materialized(t, edges, uses, plan_grad_reducer(weights, zero=zero_specs(t)), dtype,
+                        schedule)
+
+
+def zero_specs(t: Transformed) -> tuple[ZeroSpec, ...]:
+    """The plan's ``zero`` statements, each resolved to the parameters its operators read."""
+    g = t.graph
+    out = []
+    for d in t.deferred:
+        if isinstance(d, Zero):
+            ops = set(select_ops(g, d.selector, d.span))
+            weights = frozenset(n for op in g.ops if op.name in ops for n in op.inputs
+                                if n in g.params)
+            out.append(ZeroSpec(weights, frozenset(d.devices), d.stage, d.span))
+    return tuple(out)
 
 
 def _region(t: Transformed, tensor: str, intervals, part: tuple[int, int] = (0, 1)) -> Region:

@@ -7,6 +7,14 @@ gives the gradient of the single-device model. Regions of one weight held by dis
 (a tensor-parallel shard under data parallelism) are reduced separately, each over its own set.
 Buckets group, per device set, the regions in the order given (the order in which the gradients
 are expected to be ready), up to ``bucket_bytes``; one all-reduce per bucket.
+
+Under ``zero X over G`` (``ZeroSpec``), the buckets of X's weights whose device set lies in G are
+*sharded* (ZeRO): member ``m`` of the bucket's device set owns chunk ``m`` of the flat bucket
+(``shard_range``; the flat length padded up to a multiple of the set's size) and alone steps the
+optimizer on it, so the optimizer state exists only for that chunk. Stage 1 still all-reduces
+the whole bucket (every member keeps the full reduced gradient); stage 2 reduce-scatters it
+(each keeps only its chunk's gradient). After the optimizer step an all-gather of the updated
+chunks rebuilds the full weights on every member.
 """
 
 from __future__ import annotations
@@ -16,8 +24,10 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from ssdsl.errors import SsdslError
 from ssdsl.ir.region import Region
 from ssdsl.materialize.steps import Placement
+from ssdsl.source import Span
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -32,18 +42,65 @@ class Weight:
     placements: tuple[Placement, ...]
 
 
+class NotDataParallel(SsdslError):
+    """``zero X over G``: no weight of X has its gradient summed over devices of G, so there is
+    no optimizer state that G's members hold in copies and could share out."""
+
+
+@attrs.frozen
+class ZeroSpec:
+    """A ``zero`` statement resolved to weights: shard the buckets of ``weights`` whose device
+    set lies in ``devices`` at ZeRO ``stage``."""
+
+    weights: frozenset[str]
+    devices: frozenset[int]
+    stage: int
+    span: Span | None = None
+
+
 @attrs.frozen
 class Bucket:
-    """One all-reduce over ``devices`` of the gradients of ``entries`` (flattened, concatenated)."""
+    """One all-reduce over ``devices`` of the gradients of ``entries`` (flattened, concatenated);
+    ``zero`` > 0: sharded at that ZeRO stage (module docstring)."""
 
     devices: tuple[int, ...]
     entries: tuple[tuple[str, Region], ...]
     size: int  # bytes of the flattened bucket on each device
+    zero: int = 0
+    itemsize: int = 4
+    span: Span | None = attrs.field(default=None, eq=False)
+
+    @property
+    def padded(self) -> int:
+        """Bytes of the flat bucket padded to a multiple of the member count (sharded buckets)."""
+        p, items = len(self.devices), self.size // self.itemsize
+        return -(-items // p) * p * self.itemsize
 
     @property
     def nbytes(self) -> int:
-        """Bytes moved (ring all-reduce, received in total): ``2 (p-1) size``."""
-        return 2 * (len(self.devices) - 1) * self.size
+        """Bytes moved, received in total by the members (ring algorithms): all-reduce
+        ``2 (p-1) size``; reduce-scatter and all-gather ``(p-1) padded`` each."""
+        return sum(n for _, _, n in self.collectives())
+
+    def collectives(self) -> tuple[tuple[str, int, int], ...]:
+        """``(kind, count, bytes)`` of each collective this bucket runs per step."""
+        p = len(self.devices)
+        if self.zero == 0:
+            return (("all_reduce", 1, 2 * (p - 1) * self.size),)
+        first = (("all_reduce", 1, 2 * (p - 1) * self.size) if self.zero == 1
+                 else ("reduce_scatter", 1, (p - 1) * self.padded))
+        return first, ("all_gather", 1, (p - 1) * self.padded)
+
+
+def shard_range(numel: int, members: int, index: int) -> tuple[int, int]:
+    """Elements ``[lo, hi)`` of a flat bucket of ``numel`` that member ``index`` of ``members``
+    owns: chunks of ``ceil(numel / members)``, the last ones short or empty (padding).
+
+    >>> [shard_range(5, 4, m) for m in range(4)]
+    [(0, 2), (2, 4), (4, 5), (5, 5)]
+    """
+    chunk = -(-numel // members)
+    return min(index * chunk, numel), min((index + 1) * chunk, numel)
 
 
 @attrs.frozen
@@ -55,14 +112,19 @@ class GradReducer:
         return sum(b.nbytes for b in self.buckets)
 
     def accounting(self) -> dict[str, tuple[int, int]]:
-        return {"all_reduce": (len(self.buckets), self.nbytes)} if self.buckets else {}
+        out: dict[str, tuple[int, int]] = {}
+        for b in self.buckets:
+            for kind, count, nbytes in b.collectives():
+                c, n = out.get(kind, (0, 0))
+                out[kind] = (c + count, n + nbytes)
+        return out
 
     def buckets_of(self, device: int) -> tuple[Bucket, ...]:
         return tuple(b for b in self.buckets if device in b.devices)
 
 
-def plan_grad_reducer(weights: Sequence[Weight], *,
-                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> GradReducer:
+def plan_grad_reducer(weights: Sequence[Weight], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      zero: Sequence[ZeroSpec] = ()) -> GradReducer:
     """Buckets of gradient all-reduces for every weight region held by more than one device.
 
     >>> w = Weight("fc.weight", (4, 4), torch.float32,
@@ -70,24 +132,40 @@ def plan_grad_reducer(weights: Sequence[Weight], *,
     >>> plan_grad_reducer([w]).buckets[0].devices
     (0, 1)
     """
-    by_set: dict[tuple[int, ...], list[tuple[str, Region, int]]] = {}
+    by_set: dict[tuple[tuple[int, ...], ZeroSpec | None], list[tuple[str, Region, int]]] = {}
+    used: set[ZeroSpec] = set()
+    itemsize = {w.name: w.dtype.itemsize for w in weights}
     for w in weights:
         holders: dict[Region, set[int]] = {}
         for dev, reg in w.placements:
             holders.setdefault(reg, set()).add(dev)
         for reg, devs in holders.items():
             if len(devs) > 1:
-                by_set.setdefault(tuple(sorted(devs)), []).append((w.name, reg, reg.nbytes(w.dtype)))
+                spec = next((z for z in zero if w.name in z.weights and devs <= z.devices), None)
+                if spec is not None:
+                    used.add(spec)
+                by_set.setdefault((tuple(sorted(devs)), spec), []).append(
+                    (w.name, reg, reg.nbytes(w.dtype)))
+    for z in zero:
+        if z not in used:
+            raise NotDataParallel(
+                f"zero over devices {sorted(z.devices)}: none of the selected weights has its "
+                "gradient summed over these devices (they are not a data-parallel group of them)",
+                z.span, hint="zero over the devices that hold copies of the weights, e.g. the "
+                "dp axis of a mesh (`zero over m[tp=0]`) or all devices under dp")
     buckets: list[Bucket] = []
-    for devs in sorted(by_set, key=lambda d: (len(d), d)):
+    for devs, spec in sorted(by_set, key=lambda k: (len(k[0]), k[0], k[1] is not None)):
+        stage = spec.stage if spec is not None else 0
+        span = spec.span if spec is not None else None
         current: list[tuple[str, Region]] = []
         size = 0
-        for name, reg, n in by_set[devs]:
+        for name, reg, n in by_set[(devs, spec)]:
             if current and size + n > bucket_bytes:
-                buckets.append(Bucket(devs, tuple(current), size))
+                buckets.append(Bucket(devs, tuple(current), size, stage, itemsize[name], span))
                 current, size = [], 0
             current.append((name, reg))
             size += n
         if current:
-            buckets.append(Bucket(devs, tuple(current), size))
+            buckets.append(Bucket(devs, tuple(current), size, stage, itemsize[current[0][0]],
+                                  span))
     return GradReducer(tuple(buckets))

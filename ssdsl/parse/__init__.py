@@ -39,7 +39,7 @@ KEYWORDS = ("plan", "let", "partition", "replicate", "assign", "order", "microba
             "recompute", "zero", "mesh", "use", "require", "for", "if", "elif", "else", "along",
             "into", "to", "each", "part", "of", "in", "before", "on", "device", "devices", "as",
             "over", "grid", "from", "interleave", "forward", "backward", "input_grad",
-            "weight_grad", "mb", "all", "rest", "kind", "except", "and", "or", "not", "true",
+            "weight_grad", "mb", "stage", "all", "rest", "kind", "except", "and", "or", "not", "true",
             "false")
 
 

@@ -294,6 +294,7 @@ class Recompute:
 class Zero:
     selector: Selector | None
     place: Place
+    stage: Expr | None
     span: Span
 
 

@@ -114,7 +114,7 @@ class Builder(Transformer):
         return A.Recompute(ch[0], self._sp(meta))
 
     def zero(self, meta, ch):
-        return A.Zero(ch[0], ch[1], self._sp(meta))
+        return A.Zero(ch[0], ch[1], ch[2], self._sp(meta))
 
     def mesh(self, meta, ch):
         axes = tuple(c for c in ch[1:] if isinstance(c, A.MeshAxis))

@@ -182,7 +182,8 @@ def simple(s: A.Stmt) -> str:
         return f"recompute {selector(s.selector)}"
     if isinstance(s, A.Zero):
         sel = f" {selector(s.selector)}" if s.selector is not None else ""
-        return f"zero{sel} over {place(s.place)}"
+        stage = f" stage {expr(s.stage)}" if s.stage is not None else ""
+        return f"zero{sel} over {place(s.place)}{stage}"
     if isinstance(s, A.Mesh):
         axes = ", ".join(f"{a.name}={expr(a.size)}" for a in s.axes)
         origin = f" from {expr(s.origin)}" if s.origin is not None else ""

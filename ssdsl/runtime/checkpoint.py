@@ -41,6 +41,18 @@ class CheckpointError(SsdslError):
     """A checkpoint directory that is missing, incomplete or from another model."""
 
 
+def _refuse_zero(program: Any) -> None:
+    """The optimizer state of a ZeRO-sharded bucket is kept per chunk of the flat bucket, not
+    per parameter shard, which is what a checkpoint stores: refused rather than lost."""
+    shards = getattr(program, "zero", None)
+    if shards:
+        span = next(iter(shards.values())).ins.span
+        raise CheckpointError("checkpoints of the optimizer state of ZeRO-sharded weights are "
+                              "not written or loaded by this version of ssdsl", span,
+                              hint="train without --checkpoint/--resume, or remove the zero "
+                              "statement")
+
+
 # ----------------------------------------------------------------------------- files
 
 
@@ -76,6 +88,7 @@ def rank_checkpoint(program: Any, *, step: int, state_keys: Sequence[str]) -> di
     """What rank ``program.rank`` saves: its parameter and buffer shards, and the optimizer
     state of each parameter shard. ``state_keys``: the model's ``state_dict`` names (for tied
     parameters and persistent buffers); ``step``: the number of steps trained so far."""
+    _refuse_zero(program)
     graph = program.graph
     params, opt_state = [], []
     for (name, region), leaf in program.state.leaves.items():
@@ -209,6 +222,8 @@ def load_into(program: Any, merged: Mapping[str, Any]) -> int:
     """
     model = merged.get("model", merged) if _is_checkpoint(merged) else merged
     opt_state = merged.get("optimizer", {}) if _is_checkpoint(merged) else {}
+    if opt_state:
+        _refuse_zero(program)
     graph = program.graph
     missing = []
     with torch.no_grad():

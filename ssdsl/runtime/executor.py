@@ -36,6 +36,7 @@ from ssdsl.runtime.groups import ProcessGroups, groups_of
 from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
+from ssdsl.runtime.zero import ZeroShard, model_state_bytes, optimizer_params, zero_shards
 from ssdsl.trace.model_file import ModelFile, ModelFileContract
 
 
@@ -106,8 +107,10 @@ class Runner(Handler):
 
     def __init__(self, rank: int, state: RankState, *, dtype: torch.dtype,
                  opt: torch.optim.Optimizer | None = None,
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: torch.device = torch.device("cpu"),
+                 zero: dict[int, ZeroShard] | None = None) -> None:
         self.rank, self.state, self.dtype, self.opt, self.device = rank, state, dtype, opt, device
+        self.zero = zero or {}  # this rank's chunk of each ZeRO-sharded bucket
         self.env: dict[str, Any] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self.batch: tuple[torch.Tensor, ...] = ()
@@ -121,6 +124,11 @@ class Runner(Handler):
         """A new step on the whole batch ``(*inputs, target)``."""
         self.batch = tuple(batch)
         self.env, self.grads, self.losses, self.loss_total = {}, {}, [], None
+        # the optimizer clears the gradients of what it steps; the weights of a sharded bucket
+        # are not among them (stage 1 keeps their whole gradient until here)
+        for shard in self.zero.values():
+            for e in shard.ins.entries:
+                self.state.leaves[e].grad = None
 
     # -- backends -------------------------------------------------------------------------------
     def meet(self, w: Wait) -> Iterator[Wait]:
@@ -340,6 +348,9 @@ class Runner(Handler):
     def on_reduce(self, ins) -> Iterator[Wait]:
         grads = [self._grad_of(e) for e in ins.entries]
         flat = [g.reshape(-1) for g in grads]
+        if ins.zero >= 2:
+            yield from self._reduce_scatter(ins, torch.cat(flat))
+            return
         if ins.loss:
             dtype = flat[0].dtype if flat else torch.float64
             flat.append(torch.tensor([self._my_loss()], dtype=dtype))
@@ -353,6 +364,26 @@ class Runner(Handler):
             offset += n
         if ins.loss:
             self.loss_total = float(w.result[offset].item())
+        if ins.zero:  # stage 1: every member keeps the whole gradient, steps only its chunk
+            shard = self.zero[ins.bucket]
+            shard.set_grad(w.result[shard.lo:offset])
+
+    def _reduce_scatter(self, ins, flat: torch.Tensor) -> Iterator[Wait]:
+        """ZeRO stage 2: this rank keeps the reduced gradient of its chunk only."""
+        shard = self.zero[ins.bucket]
+        w = Wait(self.rank, Coll("reduce_scatter", ins.group), ins, ("reduce", ins.bucket),
+                 payload=shard.pad(flat))
+        yield from self.meet(w)
+        shard.set_grad(w.result)
+        for e in ins.entries:
+            self.state.leaves[e].grad = None
+
+    def on_gather(self, ins) -> Iterator[Wait]:
+        shard = self.zero[ins.bucket]
+        w = Wait(self.rank, Coll("all_gather", ins.group), ins, ("gather", ins.bucket),
+                 payload=shard.padded_chunk.detach().clone())
+        yield from self.meet(w)
+        shard.gathered(w.result)
 
     def _my_loss(self) -> float:
         """The sum of the loss parts this rank counts."""
@@ -365,8 +396,13 @@ class Runner(Handler):
         self.loss_total = float(w.result.item())
 
     def on_step(self, ins) -> None:
+        sharded = {e for shard in self.zero.values() for e in shard.ins.entries}
         for key in self.state.leaves:
-            self._grad_of(key)
+            if key not in sharded:
+                self._grad_of(key)
+        for shard in self.zero.values():
+            if shard.param.grad is None:
+                shard.param.grad = torch.zeros_like(shard.param)
         if self.opt is not None:
             self.opt.step()
 
@@ -431,13 +467,22 @@ class RankProgram:
         self.graph = m.transformed.graph
         self.groups = groups
         self.state = self._init_state(model)
-        self.opt = build_optimizer(optimizer, model_file, list(self.state.leaves.values()))
         self.program = program if program is not None else lower_rank(m, rank)
-        self.runner = DistRunner(rank, self.state, dtype=dtype, opt=self.opt, groups=groups)
+        # the optimizer steps only this rank's chunk of a ZeRO-sharded bucket
+        self.zero = zero_shards(self.program, self.state.leaves)
+        self.opt = build_optimizer(optimizer, model_file,
+                                   optimizer_params(self.state.leaves, self.zero))
+        self.runner = DistRunner(rank, self.state, dtype=dtype, opt=self.opt, groups=groups,
+                                 zero=self.zero)
 
     def _init_state(self, model: torch.nn.Module) -> RankState:
         """This rank's shards (swap this to initialise them otherwise)."""
         return init_state(self.m, self.rank, model)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds now (after a
+        step: the gradients it stepped on)."""
+        return model_state_bytes(self.state.leaves, self.zero, self.opt)
 
     @property
     def peak_live(self) -> int:

@@ -23,6 +23,7 @@ from ssdsl.materialize.program import Materialized
 from ssdsl.runtime.comm import combine
 from ssdsl.runtime.executor import Runner, init_state
 from ssdsl.runtime.reference import to_dtype
+from ssdsl.runtime.zero import zero_shards
 from ssdsl.trace.model_file import ModelFile
 
 LeafKey = tuple[str, Region]
@@ -60,14 +61,33 @@ def simulate_programs(m: Materialized, programs: Sequence[Program], model: torch
     batch = with_step_values(m.transformed.graph, to_dtype(tuple(batch), m.dtype))
     runners = {}
     for p in programs:
-        r = SimRunner(p.rank, init_state(m, p.rank, model), dtype=m.dtype, exchange=exchange)
+        state = init_state(m, p.rank, model)
+        r = SimRunner(p.rank, state, dtype=m.dtype, exchange=exchange,
+                      zero=zero_shards(p, state.leaves))
         r.start(batch)
         runners[p.rank] = r
     run_all({p.rank: walk(p, runners[p.rank]) for p in programs}, exchange)
     loss = next(r.loss_total for r in runners.values() if r.loss_total is not None)
-    grads = {rank: {k: v.grad.detach().clone() for k, v in r.state.leaves.items()}
+    grads = {rank: {k: v.grad.detach().clone() for k, v in r.state.leaves.items()
+                    if v.grad is not None}
              for rank, r in runners.items() if r.state.leaves}
+    _sharded_grads(runners, grads)
     return Simulation(loss, grads)
+
+
+def _sharded_grads(runners: Mapping[int, SimRunner],
+                   grads: dict[int, dict[LeafKey, torch.Tensor]]) -> None:
+    """The reduced gradients of ZeRO-sharded buckets, from every member's chunk: under stage 2
+    no rank holds them whole, so they are assembled here to compare with the plain model."""
+    for rank, r in runners.items():
+        for bucket, shard in r.zero.items():
+            chunks = [runners[q].zero[bucket].param.grad for q in shard.ins.group]
+            flat = torch.cat([c.detach() for c in chunks if c is not None])
+            offset = 0
+            for key in shard.ins.entries:
+                leaf = r.state.leaves[key]
+                grads[rank][key] = flat[offset:offset + leaf.numel()].view_as(leaf).clone()
+                offset += leaf.numel()
 
 
 def simulate_model_file(m: Materialized, programs: Sequence[Program], model_file: ModelFile, *,

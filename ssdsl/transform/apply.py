@@ -359,11 +359,11 @@ def apply_directives(graph: Graph, directives: Sequence, *, world: int,
         if isinstance(d, Assign) and isinstance(part_prefix(d.selector)[1], StageRef):
             deferred.append(d)
             continue
-        if isinstance(d, Zero):
+        if isinstance(d, Zero) and d.stage == 3:
             errors.add(UnsupportedDirective(
-                "zero (sharding optimizer state) is not executed by this version of ssdsl",
-                d.span, hint="remove the zero statement; the optimizer state then stays with "
-                "each weight shard"))
+                "zero stage 3 (sharding the weights themselves) is not executed by this version "
+                "of ssdsl", d.span, hint="use stage 2: optimizer state and gradients sharded, "
+                "weights whole on every member"))
             continue
         handler = {Partition: b.partition, Replicate: b.replicate, Assign: b.assign}.get(type(d))
         if handler is None:

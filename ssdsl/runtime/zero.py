@@ -1,0 +1,113 @@
+"""ZeRO-sharded gradient buckets on one rank: the chunk of a bucket this rank steps.
+
+A bucket's weights are laid out in one flat buffer, padded to a multiple of the group size,
+and each weight becomes a view of its stretch of it. The optimizer steps ``ZeroShard.param``, a
+view of this rank's chunk of the buffer, so its state (Adam's moments, SGD's momentum) exists
+only for that chunk, and its in-place update lands in the weights themselves. The all-gather
+after the step (``GatherBucket``) writes every member's chunk back into the buffer, and so into
+every weight. Element-wise optimizers give on a chunk exactly the slice of the update on the
+whole tensor (``ssdsl.runtime.train.build_optimizer``), which is why the numbers equal an
+unsharded run's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import torch
+
+from ssdsl.ir.region import Region
+from ssdsl.lower.instr import Program, ReduceBucket
+from ssdsl.materialize.reducer import shard_range
+
+LeafKey = tuple[str, Region]
+
+
+@attrs.define(eq=False)
+class ZeroShard:
+    """This rank's part of sharded bucket ``ins``: the padded flat buffer its weights are views
+    of, and ``param``, the chunk ``[lo, hi)`` of it that this rank's optimizer steps."""
+
+    ins: ReduceBucket
+    buffer: torch.Tensor
+    param: torch.nn.Parameter
+    lo: int
+    hi: int
+    index: int  # this rank's position in the bucket's group: it owns chunk ``index``
+    chunk: int  # elements per chunk (the buffer holds ``chunk * len(group)``)
+
+    @property
+    def padded_chunk(self) -> torch.Tensor:
+        """This rank's chunk of the buffer with its padding: what it contributes to the gather."""
+        return self.buffer[self.index * self.chunk:(self.index + 1) * self.chunk]
+
+    def pad(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (the bucket's gradients) padded with zeros to the buffer's length."""
+        extra = self.buffer.numel() - flat.numel()
+        return torch.cat([flat, flat.new_zeros(extra)]) if extra else flat
+
+    def set_grad(self, chunk_grad: torch.Tensor) -> None:
+        """The reduced gradient of this rank's chunk (padding left out)."""
+        self.param.grad = chunk_grad[:self.hi - self.lo].clone()
+
+    def gathered(self, full: torch.Tensor) -> None:
+        """Every member's updated chunk, in group order: into the buffer, so into the weights."""
+        with torch.no_grad():
+            self.buffer.copy_(full)
+
+
+def zero_shards(program: Program, leaves: Mapping[LeafKey, torch.nn.Parameter]
+                ) -> dict[int, ZeroShard]:
+    """A ``ZeroShard`` for each sharded bucket ``program`` reduces; the weights of its entries
+    become views of the shard's buffer (their values unchanged)."""
+    out: dict[int, ZeroShard] = {}
+    for ins in program.instructions:
+        if not (isinstance(ins, ReduceBucket) and ins.zero):
+            continue
+        weights = [leaves[e] for e in ins.entries]
+        numel = sum(w.numel() for w in weights)
+        p = len(ins.group)
+        chunk = -(-numel // p)
+        buffer = weights[0].detach().new_zeros(chunk * p)
+        offset = 0
+        with torch.no_grad():
+            for w in weights:
+                n = w.numel()
+                buffer[offset:offset + n].copy_(w.detach().reshape(-1))
+                w.data = buffer[offset:offset + n].view_as(w)
+                offset += n
+        index = ins.group.index(program.rank)
+        lo, hi = shard_range(numel, p, index)
+        out[ins.bucket] = ZeroShard(ins, buffer, torch.nn.Parameter(buffer[lo:hi]), lo, hi,
+                                    index, chunk)
+    return out
+
+
+def optimizer_params(leaves: Mapping[LeafKey, torch.nn.Parameter],
+                     shards: Mapping[int, ZeroShard]) -> list[torch.nn.Parameter]:
+    """What this rank's optimizer steps: every weight outside the sharded buckets, then the
+    chunk of each sharded bucket."""
+    sharded = {e for s in shards.values() for e in s.ins.entries}
+    return [w for k, w in leaves.items() if k not in sharded] + [s.param for s in shards.values()]
+
+
+def model_state_bytes(leaves: Mapping[LeafKey, torch.nn.Parameter],
+                      shards: Mapping[int, ZeroShard],
+                      opt: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds now.
+
+    Weights that are views of a shard's buffer are counted by their own elements (the padding
+    of the buffer is at most a group's size of elements)."""
+    def nbytes(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+    params = sum(nbytes(w) for w in leaves.values())
+    grads = sum(nbytes(w.grad) for w in leaves.values())
+    grads += sum(nbytes(s.param.grad) for s in shards.values())
+    state = 0
+    if opt is not None:
+        for st in opt.state.values():
+            state += sum(nbytes(v) for v in st.values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {"params": params, "grads": grads, "optimizer": state,
+            "total": params + grads + state}

@@ -1,0 +1,359 @@
+"""ZeRO stages 1 and 2 (`zero X over G stage S`): training equals the single-device model, the
+model state a rank holds shrinks as the analytic formula says, and the checker refuses broken
+variants of the sharded programs.
+
+The oracle of training is ``run_reference`` (plain PyTorch on one device, float64); the ranks run
+in this process (every rank's program walked by the in-process backend, meeting through the
+exchange, each with its own optimizer over what ``RankProgram`` gives it), so Adam and SGD
+runs over several steps are cheap. The multi-process runs on gloo are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssdsl.check import BadStepTail, CollectiveMismatch, ProgramDeadlock, ProgramError, \
+    check_programs
+from ssdsl.elaborate import elaborate_file, elaborate_text
+from ssdsl.ir.interpret import with_step_values
+from ssdsl.lower import lower_plan, parse_program, program_text
+from ssdsl.lower.instr import GatherBucket, ReduceBucket
+from ssdsl.materialize.program import materialize
+from ssdsl.materialize.reducer import NotDataParallel, shard_range
+from ssdsl.runtime.executor import assemble, init_state
+from ssdsl.runtime.job import schedule_plan
+from ssdsl.runtime.reference import run_reference, to_dtype
+from ssdsl.runtime.simulate import SimRunner
+from ssdsl.runtime.train import OptimizerSpec, build_optimizer
+from ssdsl.runtime.zero import model_state_bytes, optimizer_params, zero_shards
+from ssdsl.lower.walk import Exchange, run_all, walk
+from ssdsl.runtime.comm import combine
+from ssdsl.trace.export import trace
+from ssdsl.trace.model_file import load_model_file
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP, GPT = ROOT / "examples" / "mlp.py", ROOT / "examples" / "gpt.py"
+_TRACES: dict[tuple[Path, int | None], object] = {}
+
+
+def _graph(path: Path, batch_size: int | None = None):
+    if (path, batch_size) not in _TRACES:
+        _TRACES[(path, batch_size)] = trace(load_model_file(str(path)), device="cpu",
+                                            batch_size=batch_size)
+    return _TRACES[(path, batch_size)]
+
+
+def _lower(path: Path, plan, *, dtype=torch.float64, batch_size: int | None = None):
+    t, low = schedule_plan(_graph(path, batch_size), plan)
+    m = materialize(t, dtype=dtype, schedule=low)
+    return m, lower_plan(m).programs
+
+
+def _dp_zero(world: int, stage: int, **sets):
+    return elaborate_file("dp_zero", world=world,
+                          sets={"stage": str(stage), **{k: str(v) for k, v in sets.items()}})
+
+
+def train_in_process(path: Path, m, programs, *, steps: int, optimizer: OptimizerSpec,
+                     batch_size: int | None = None):
+    """Every rank's program for ``steps`` steps in this process, each rank with the optimizer a
+    ``RankProgram`` builds (``optimizer_params``); the losses, the full parameters and each
+    rank's model-state bytes after the last step."""
+    mf = load_model_file(str(path))
+    model = mf.build(seed=0).to(m.dtype)
+    graph = m.transformed.graph
+    runners, opts = {}, {}
+    for p in programs:
+        state = init_state(m, p.rank, model)
+        zero = zero_shards(p, state.leaves)
+        opts[p.rank] = build_optimizer(optimizer, mf, optimizer_params(state.leaves, zero))
+        runners[p.rank] = SimRunner(p.rank, state, dtype=m.dtype, opt=opts[p.rank],
+                                    exchange=None, zero=zero)
+    losses = []
+    for step in range(steps):
+        inputs, target = mf.get_batch(step, batch_size)
+        batch = with_step_values(graph, to_dtype((*inputs, target), m.dtype))
+        exchange = Exchange(combine)
+        for r in runners.values():
+            r.exchange = exchange
+            opts[r.rank].zero_grad(set_to_none=True)
+            r.start(batch)
+        run_all({p.rank: walk(p, runners[p.rank]) for p in programs}, exchange)
+        losses.append(next(r.loss_total for r in runners.values() if r.loss_total is not None))
+    shards = [(graph.params[name], region, t.detach().clone())
+              for r in runners.values() for (name, region), t in r.state.leaves.items()]
+    held = {rank: model_state_bytes(r.state.leaves, r.zero, opts[rank])
+            for rank, r in runners.items()}
+    return losses, assemble(shards), held
+
+
+def _assert_matches_reference(path: Path, losses, params, *, steps, optimizer, batch_size=None):
+    ref = run_reference(load_model_file(str(path)), steps=steps, dtype=torch.float64,
+                        optimizer=optimizer, batch_size=batch_size)
+    for got, want in zip(losses, ref.losses, strict=True):
+        assert abs(got - want) <= 1e-9 * abs(want), (losses, ref.losses)
+    for name, t in params.items():
+        want = ref.final_state[name]
+        err = float((t - want).norm() / want.norm().clamp_min(1e-30))
+        assert err < 1e-9, (name, err)
+
+
+SGD, ADAMW = OptimizerSpec("sgd"), OptimizerSpec("adamw")
+
+
+# -- training equals one device --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd", "adamw"])
+def test_dp_zero_trains_like_one_device(stage, optimizer):
+    m, progs = _lower(MLP, _dp_zero(2, stage))
+    check_programs(progs, m=m)
+    losses, params, _ = train_in_process(MLP, m, progs, steps=3, optimizer=optimizer)
+    _assert_matches_reference(MLP, losses, params, steps=3, optimizer=optimizer)
+
+
+def test_uneven_bucket_is_padded():
+    """dp=3 over the head only: 64 * 16 + 16 = 1040 elements, not a multiple of 3; the other
+    weights stay in an ordinary all-reduce bucket."""
+    plan = elaborate_text("plan p(n: int = world)\nuse dp(n=n)\n"
+                          "zero head over devices 0..n stage 2\n", world=3, file="uneven.ssp")
+    m, progs = _lower(MLP, plan, batch_size=6)
+    check_programs(progs, m=m)
+    kinds = sorted((ins.collective, ins.zero) for ins in progs[0].instructions
+                   if isinstance(ins, ReduceBucket))
+    assert kinds == [("all_reduce", 0), ("reduce_scatter", 2)]
+    losses, params, held = train_in_process(MLP, m, progs, steps=3, optimizer=ADAMW,
+                                            batch_size=6)
+    _assert_matches_reference(MLP, losses, params, steps=3, optimizer=ADAMW, batch_size=6)
+    # Adam keeps two moments: for the head, ceil(1040 / 3) = 347 elements on ranks 0 and 1,
+    # 1040 - 694 = 346 on rank 2; every other weight whole (float64: 8 bytes)
+    rest = 11472 - 1040
+    for rank, want in ((0, 347), (1, 347), (2, 346)):
+        assert held[rank]["optimizer"] == 2 * 8 * (rest + want)
+
+
+def test_dp_tp_with_zero_trains_like_one_device():
+    """dp=2 x tp=2 on gpt.py: every tensor-parallel shard is sharded again over its dp pair."""
+    plan = elaborate_text("plan p()\nuse dp_tp(dp=2)\nzero over devices 0..4 stage 2\n",
+                          world=4, file="dp_tp_zero.ssp")
+    m, progs = _lower(GPT, plan)
+    check_programs(progs, m=m)
+    groups = {ins.group for ins in progs[0].instructions if isinstance(ins, ReduceBucket)}
+    assert groups and all(len(g) == 2 for g in groups)
+    losses, params, _ = train_in_process(GPT, m, progs, steps=2, optimizer=SGD)
+    _assert_matches_reference(GPT, losses, params, steps=2, optimizer=SGD)
+
+
+def test_dp_tp_with_zero_under_adamw_equals_the_unsharded_plan():
+    """AdamW turns rounding noise in a gradient that is zero in theory (a key bias under
+    softmax) into a full step, so gpt.py under AdamW is compared with the same plan without
+    zero (whose sums the in-process exchange adds in the same order): the sharded optimizer
+    must give the same update as the whole one."""
+    runs = []
+    for extra in ("", "zero over devices 0..4 stage 2\n"):
+        plan = elaborate_text("plan p()\nuse dp_tp(dp=2)\n" + extra, world=4, file="z.ssp")
+        m, progs = _lower(GPT, plan)
+        runs.append(train_in_process(GPT, m, progs, steps=2, optimizer=ADAMW))
+    (plain_losses, plain, _), (losses, params, _) = runs
+    assert losses == pytest.approx(plain_losses, rel=1e-13, abs=0)
+    for name, t in params.items():
+        assert float((t - plain[name]).abs().max()) < 1e-13, name
+
+
+def test_pipeline_with_zero_trains_like_one_device():
+    """dp=2 x pp=2 (1F1B, 4 micro-batches) on gpt.py, stage-1 ZeRO inside each stage's dp pair."""
+    plan = elaborate_text("plan p()\nuse dp_tp_1f1b(dp=2, pp=2)\nzero over devices 0..4\n",
+                          world=4, file="pp_zero.ssp")
+    m, progs = _lower(GPT, plan)
+    check_programs(progs, m=m)
+    losses, params, _ = train_in_process(GPT, m, progs, steps=2, optimizer=SGD)
+    _assert_matches_reference(GPT, losses, params, steps=2, optimizer=SGD)
+
+
+# -- what a rank holds -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_model_state_bytes_follow_the_formula(world):
+    """N elements, p members, Adam (2 moments), 8-byte elements: dp holds 4N, stage 1 2N + 2N/p,
+    stage 2 N + 3N/p (rounded up to whole chunks)."""
+    n, e = 11472, 8
+    chunk = -(-n // world)
+    got = {}
+    for stage in (0, 1, 2):
+        plan = (elaborate_file("dp", world=world) if stage == 0 else _dp_zero(world, stage))
+        m, progs = _lower(MLP, plan)
+        _, _, held = train_in_process(MLP, m, progs, steps=1, optimizer=ADAMW)
+        got[stage] = held[0]
+    assert got[0] == {"params": n * e, "grads": n * e, "optimizer": 2 * n * e,
+                      "total": 4 * n * e}
+    assert got[1] == {"params": n * e, "grads": (n + chunk) * e, "optimizer": 2 * chunk * e,
+                      "total": (2 * n + 3 * chunk) * e}
+    assert got[2] == {"params": n * e, "grads": chunk * e, "optimizer": 2 * chunk * e,
+                      "total": (n + 3 * chunk) * e}
+
+
+def test_communication_volume_is_the_formula():
+    """Ring algorithms, bytes received by all members together: all-reduce 2 (p-1) S; a
+    reduce-scatter and an all-gather (p-1) S each (S padded to p chunks)."""
+    s = 11472 * 8
+    for world in (2, 4):
+        want = {1: {"all_reduce": 2 * (world - 1) * s, "all_gather": (world - 1) * s},
+                2: {"reduce_scatter": (world - 1) * s, "all_gather": (world - 1) * s}}
+        for stage in (1, 2):
+            m, _ = _lower(MLP, _dp_zero(world, stage))
+            got = {k: v["bytes"] for k, v in m.accounting()["gradients"].items()}
+            assert got == want[stage], (world, stage, got)
+
+
+def test_shard_ranges_cover_the_bucket_once():
+    for numel in (1, 5, 16, 1040):
+        for p in (1, 2, 3, 4, 8):
+            ranges = [shard_range(numel, p, k) for k in range(p)]
+            covered = [i for lo, hi in ranges for i in range(lo, hi)]
+            assert covered == list(range(numel))
+
+
+# -- the checker refuses broken sharded programs -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zero2():
+    return _lower(MLP, _dp_zero(2, 2))
+
+
+def _with(progs, rank, instructions):
+    import attrs
+    out = list(progs)
+    out[rank] = attrs.evolve(out[rank], instructions=tuple(instructions))
+    return tuple(out)
+
+
+def _at(p, kind):
+    return next(i for i, x in enumerate(p.instructions) if x.kind == kind)
+
+
+def all_reduce_on_one_rank(m, progs):
+    """Rank 0 all-reduces (stage 1) what rank 1 reduce-scatters."""
+    import attrs
+    p = progs[0]
+    i = _at(p, "reduce")
+    return _with(progs, 0, (*p.instructions[:i], attrs.evolve(p.instructions[i], zero=1),
+                            *p.instructions[i + 1:]))
+
+
+def drop_gather_on_one_rank(m, progs):
+    p = progs[1]
+    return _with(progs, 1, [x for x in p.instructions if x.kind != "gather"])
+
+
+def gather_before_step(m, progs):
+    p = progs[0]
+    ins = list(p.instructions)
+    g = ins.pop(_at(p, "gather"))
+    ins.insert(_at(p, "step"), g)
+    return _with(progs, 0, ins)
+
+
+def gather_another_group(m, progs):
+    import attrs
+    p = progs[0]
+    i = _at(p, "gather")
+    bad = attrs.evolve(p.instructions[i], group=(0,))
+    return _with(progs, 0, (*p.instructions[:i], bad, *p.instructions[i + 1:]))
+
+
+ZERO_MUTATIONS = {
+    "all-reduce where the others reduce-scatter": (all_reduce_on_one_rank,
+                                                   (CollectiveMismatch, BadStepTail)),
+    "no gather on one rank": (drop_gather_on_one_rank, (BadStepTail, ProgramDeadlock)),
+    "gather before the optimizer step": (gather_before_step, BadStepTail),
+    "gather over another group": (gather_another_group, BadStepTail),
+}
+
+
+def test_sharded_programs_pass_and_read_back(zero2):
+    m, progs = zero2
+    check_programs(progs, m=m)
+    for p in progs:
+        assert parse_program(program_text(p)) == p
+        tail = [x.kind for x in p.instructions[-3:]]
+        assert tail == ["loss_sum", "step", "gather"]   # no loss rides in a reduce-scatter
+        assert isinstance(p.instructions[-1], GatherBucket)
+
+
+@pytest.mark.parametrize("name", sorted(ZERO_MUTATIONS))
+def test_broken_sharded_program_is_refused(zero2, name):
+    m, progs = zero2
+    mutate, expected = ZERO_MUTATIONS[name]
+    bad = mutate(m, progs)
+    assert bad != progs
+    for with_plan in (m, None):  # also without the plan: from the programs alone
+        with pytest.raises(ProgramError) as info:
+            check_programs(bad, m=with_plan)
+        assert isinstance(info.value, expected), (name, info.value)
+        span = info.value.span
+        assert span is not None and span.file.endswith(".ssp"), name
+
+
+def test_zero_over_devices_without_copies_is_located():
+    plan = elaborate_text("plan p()\nuse megatron_tp(tp=2)\nzero over devices 0..2 stage 2\n",
+                          world=2, file="tp_zero.ssp")
+    with pytest.raises(NotDataParallel) as info:
+        _lower(GPT, plan)
+    assert (info.value.span.line, info.value.span.column) == (3, 1)
+    assert "not a data-parallel group" in info.value.message
+
+
+# -- on gloo ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, optimizer", [(1, "adamw"), (2, "sgd"), (2, "adamw")])
+def test_run_check_on_gloo(capsys, stage, optimizer):
+    from ssdsl.cli import main
+    code = main(["run", str(MLP), "dp_zero", "--nproc", "2", "--steps", "3", "--check",
+                 "--dtype", "float64", "--optimizer", optimizer, "--set", f"stage={stage}",
+                 "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["check"]["ok"], out["check"]
+    worst = {w["what"]: w["error"] for w in out["check"]["worst"]}
+    assert worst["loss"] < 1e-9 and worst["param"] < 1e-9
+    s = 11472 * 8
+    first = "all_reduce" if stage == 1 else "reduce_scatter"
+    assert out["communication"]["gradients"][first]["bytes"] == (2 if stage == 1 else 1) * s
+    assert out["communication"]["gradients"]["all_gather"]["bytes"] == s
+
+
+def test_cost_model_counts_the_shards():
+    """The cost model's static memory of a device (float32, AdamW: 8 bytes of state per element
+    stepped): dp holds N of each; stage 2 steps and keeps the gradient of ceil(N / p) only."""
+    from ssdsl.cost.profiles import Cluster, profile
+    from ssdsl.cost.work import CostOptions, plan_costs
+    opts = CostOptions(profile=profile("a100"), cluster=Cluster(4, 8))
+    n, chunk = 11472, 11472 // 4
+    want = {0: (4 * n, 4 * n, 8 * n), 2: (4 * n, 4 * chunk, 8 * chunk)}
+    for stage, (params, grads, state) in want.items():
+        plan = elaborate_file("dp", world=4) if stage == 0 else _dp_zero(4, stage)
+        m, _ = _lower(MLP, plan, dtype=torch.float32)
+        mem = plan_costs(m, opts).memory[0]
+        assert (mem.params, mem.grads, mem.optimizer) == (params, grads, state), stage
+
+
+def test_checkpoint_of_sharded_optimizer_state_is_refused_at_the_zero_line():
+    """A checkpoint stores optimizer state per weight shard; a sharded bucket's is per chunk of
+    the flat bucket, so saving it would lose it silently: refused, at the zero statement."""
+    from ssdsl.runtime.checkpoint import CheckpointError, rank_checkpoint
+    from ssdsl.runtime.executor import RankProgram
+    m, progs = _lower(MLP, _dp_zero(2, 2))
+    mf = load_model_file(str(MLP))
+    prog = RankProgram(m, 0, mf, mf.build(seed=0).to(torch.float64), dtype=torch.float64,
+                       optimizer=ADAMW, groups=None, program=progs[0])
+    with pytest.raises(CheckpointError) as info:
+        rank_checkpoint(prog, step=1, state_keys=[])
+    assert info.value.span.file.endswith("dp_zero.ssp") and info.value.span.line == 12
