@@ -100,3 +100,39 @@ def test_the_input_half_computes_no_weight_gradient(tmp_path):
             prog.run_unit(u)
     assert all(leaf.grad is not None for leaf in prog.state.leaves.values())
     assert not prog.runner.kept
+
+
+WHOLE = THREE_STAGES.split("order on device 0:")[0] + """order on device 0:
+    forward st[0] mb 0..mbs, forward st[1] mb 0..mbs, forward st[2] mb 0..mbs,
+    backward st[2] mb 0..mbs, backward st[1] mb 0..mbs, backward st[0] mb 0..mbs
+"""
+
+
+def _flops_per_pass(tmp_path: Path, text: str) -> dict[str, int]:
+    from torch.utils.flop_counter import FlopCounterMode
+    prog, mf = _program(tmp_path, text)
+    inputs, target = mf.get_batch(0, None)
+    prog.opt.zero_grad(set_to_none=True)
+    prog.begin((*inputs, target))
+    total: dict[str, int] = {}
+    for u in prog.program.units:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            prog.run_unit(u)
+        total[u[:2]] = total.get(u[:2], 0) + counter.get_total_flops()
+    return total
+
+
+def test_the_halves_split_the_backward_products_without_repeating_any(tmp_path):
+    """Counted by torch's FLOP counter: per stage, I + W do exactly the products of the whole
+    backward B (of the plan with whole backwards); in the middle stage (blocks only: its
+    counted products are the linears, each of a weight and a received operand; the counter does
+    not count CPU attention's kernel) I and W each do the forward's count (a linear's input
+    gradient and weight gradient are each one product of the forward's size); the first stage
+    received nothing, so its I is empty."""
+    whole = _flops_per_pass(tmp_path, WHOLE)
+    split = _flops_per_pass(tmp_path, THREE_STAGES)
+    for s in range(3):
+        assert split[f"{s}I"] + split[f"{s}W"] == whole[f"{s}B"]
+    assert split["1I"] == split["1W"] == split["1F"] > 0
+    assert split["0I"] == 0 and split["0W"] == whole["0B"]
