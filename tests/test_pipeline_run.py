@@ -32,7 +32,9 @@ def run_json(capsys, *argv: str) -> tuple[int, dict]:
     ("interleaved_1f1b", 4, ["--set", "chunks=2", "--set", "microbatches=4"]),
     ("dp_tp_1f1b", 8, ["--set", "dp=2", "--set", "tp=2", "--set", "microbatches=4"]),
     ("zb_h1", 4, ["--set", "microbatches=8"]),
-], ids=["1f1b-4x8", "gpipe-4x4", "interleaved-4x2chunks", "3d-dp2-tp2-pp2", "zb_h1-4x8"])
+    ("zb_v", 2, ["--set", "microbatches=4"]),
+], ids=["1f1b-4x8", "gpipe-4x4", "interleaved-4x2chunks", "3d-dp2-tp2-pp2", "zb_h1-4x8",
+        "zb_v-2x4"])
 @pytest.mark.slow
 def test_pipeline_matches_reference_float64(capsys, plan, nproc, extra):
     code, out = run_json(capsys, plan, "--nproc", str(nproc), *EXACT, *extra)

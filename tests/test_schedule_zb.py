@@ -1,9 +1,10 @@
-"""ZB-H1: the stdlib plan, its simulated bubble against the analytic figures, and the checkers
-refusing a split backward written wrong, at the plan line.
+"""ZB-H1 and ZB-V: the stdlib plans, their simulated bubbles against the analytic figures, and
+the checkers refusing a split backward written wrong, at the plan line.
 
 Oracles: ``ssdsl.schedule.builders.zb_h1`` (a construction in Python that does not read the
-plan), 1F1B's analytic bubble ratio (p - 1) / (m + p - 1), and ZB-H1's (the paper's
-(p - 1)(F + I - W) of idle per device, over a makespan of m (F + I + W) plus that idle).
+plan), torch.distributed.pipelining's own ZB-V order (``ScheduleZBVZeroBubble``), 1F1B's
+analytic bubble ratio (p - 1) / (m + p - 1), and ZB-H1's (the paper's (p - 1)(F + I - W) of idle
+per device, over a makespan of m (F + I + W) plus that idle).
 """
 
 from __future__ import annotations
@@ -59,6 +60,51 @@ def test_zb_h1_bubble_against_the_analytic_figures(p, m):
         assert zb.bubble_ratio <= 0.5 * base.bubble_ratio
     # the weight halves wait, the activations they need do not pile up past 1F1B's peak
     assert max(zb.peak_activations) == max(base.peak_activations) == min(p, m)
+
+
+def _torch_zbv_order(p: int, m: int) -> list[str]:
+    """Each rank's actions in torch's ScheduleZBVZeroBubble, as unit text (no process group:
+    only the order's computation runs)."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    sched = object.__new__(schedules.ScheduleZBVZeroBubble)
+    sched.pp_group_size, sched.num_stages, sched._n_microbatches = p, 2 * p, m
+    if not hasattr(sched, "_calculate_single_rank_operations"):
+        pytest.skip("this torch computes the ZB-V order elsewhere")
+    return [" ".join(f"{a.stage_index}{a.computation_type.value}{a.microbatch_index}"
+                     for a in sched._calculate_single_rank_operations(r) if a is not None)
+            for r in range(p)]
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (2, 4), (4, 8), (3, 5), (4, 7)])
+def test_stdlib_zb_v_is_torchs_order_and_checks(p, m):
+    lowered = lower_schedule(_stdlib("zb_v", p, stages=p, microbatches=m))
+    schedule = lowered.schedule
+    assert schedule.split_backward
+    assert [schedule.stages.devices[s] for s in range(2 * p)] == \
+        [*range(p), *reversed(range(p))]  # the V
+    assert [" ".join(str(u) for u in prog.units) for prog in schedule.programs] == \
+        _torch_zbv_order(p, m)
+    check_schedule(schedule)
+
+
+def test_zb_v_bubble_is_below_zb_h1s_at_the_same_activation_peak():
+    """The same model on 4 devices, 8 micro-batches: ZB-V's 8 virtual stages do half a stage's
+    work each (F = I = W = 1/2). Its bubble is below ZB-H1's, and a device holds at most 2 p
+    half-stage micro-batches, the activations of ZB-H1's (and 1F1B's) p whole ones."""
+    p, m = 4, 8
+    zbv = simulate(lower_schedule(_stdlib("zb_v", p, stages=p, microbatches=m)).schedule,
+                   Costs(forward=0.5, input_grad=0.5, weight_grad=0.5))
+    zbh1 = simulate(zb_h1(p, m), Costs(forward=1.0, input_grad=1.0, weight_grad=1.0))
+    assert sum(zbv.busy) == pytest.approx(sum(zbh1.busy))
+    assert zbv.bubble_ratio < 0.6 * zbh1.bubble_ratio
+    assert max(zbv.peak_activations) == 2 * p and max(zbh1.peak_activations) == p
+
+
+def test_zb_v_with_too_few_microbatches_is_refused_at_the_require():
+    from ssdsl.errors import SsdslError
+    with pytest.raises(SsdslError) as info:
+        _stdlib("zb_v", 4, stages=4, microbatches=4)
+    assert "2 * stages - 1" in str(info.value) and info.value.span.file == "zb_v.ssp"
 
 
 WRONG = """plan wrong()
