@@ -1,18 +1,19 @@
-"""Step time of zero-bubble pipelines: ssdsl ``zb_h1`` against ssdsl ``1f1b``, and torch's
-zero-bubble schedule against torch's 1F1B, on the same gloo ranks and model, in one run.
+"""Step time of zero-bubble pipelines: ssdsl ``zb_h1`` and ``zb_v`` against ssdsl ``1f1b``, and
+torch's zero-bubble schedules against torch's 1F1B, on the same gloo ranks and model, in one run.
 
     .venv/bin/python bench/bench_zb.py [--nproc 2] [--layers 4] [--width 128]
                                        [--microbatches 4] [--batch-size 16] [--steps 8]
                                        [--warmup 2] [--runs 3]
 
 The model, stages, ranks and optimizer are ``bench_pipeline.py``'s (its GPT with the LM head
-untied; ``--nproc`` stages of ``layers / nproc`` blocks). The four runs: ssdsl's 1F1B and ZB-H1
-plans (the same stage selectors; ZB-H1 as ``stdlib_plans/zb_h1.ssp`` orders its units) and
-``torch.distributed.pipelining``'s ``Schedule1F1B`` and ``ScheduleInterleavedZeroBubble`` with one
-stage per rank (its ZB1P schedule; ``ScheduleZBVZeroBubble`` needs two stages per rank in a V,
-another stage layout, so it is left out). A step's time is the slowest rank's; a run's is the
-median after ``--warmup``; the figure is the median over ``--runs`` launches, the four launched
-in turn in each round so that the machine's load falls on all of them alike. Prints JSON.
+untied; ``--nproc`` stages of ``layers / nproc`` blocks). The runs: ssdsl's 1F1B, ZB-H1 and ZB-V
+plans (``stdlib_plans/zb_h1.ssp`` and ``zb_v.ssp`` with the benchmark's stage selectors; ZB-V's
+2 * nproc virtual stages of ``layers / (2 nproc)`` blocks, in a V) and
+``torch.distributed.pipelining``'s ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` with one
+stage per rank (its ZB1P schedule) and ``ScheduleZBVZeroBubble`` on the same V. A step's time is
+the slowest rank's; a run's is the median after ``--warmup``; the figure is the median over
+``--runs`` launches, all launched in turn in each round so that the machine's load falls on all
+of them alike. Prints JSON.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -38,28 +38,17 @@ from bench_pipeline import MODEL, _run_time, _Stage, plan_text  # noqa: E402
 from ssdsl.runtime.launch import launch  # noqa: E402
 
 
-def zb_plan_text(nproc: int, layers: int, microbatches: int) -> str:
-    """``zb_h1.ssp``'s order on the benchmark's stage selectors (``bench_pipeline.plan_text``)."""
-    k = layers // nproc
-    selectors = ", ".join(f"h.{s * k}" for s in range(nproc))
-    return textwrap.dedent(f'''
-        plan bench_zb_h1(stages: int = {nproc}, microbatches: int = {microbatches})
-        microbatch along batch into microbatches
-        stages {selectors} as st
-        for s in 0..stages:
-            assign st[s] to device s
-            let warm = min(stages - s - 1, microbatches)
-            let delay = min(s, microbatches)
-            order on device s: forward st[s] mb 0..warm
-            for k in 0..microbatches:
-                if k < microbatches - warm:
-                    order on device s: forward st[s] mb warm + k, input_grad st[s] mb k
-                else:
-                    order on device s: input_grad st[s] mb k
-                if k >= delay:
-                    order on device s: weight_grad st[s] mb k - delay
-            order on device s: weight_grad st[s] mb microbatches - delay..microbatches
-        ''').lstrip()
+def stdlib_plan_text(name: str, nproc: int, layers: int, microbatches: int) -> str:
+    """Stdlib plan ``name`` with the benchmark's stages: ``bench_pipeline.plan_text``'s
+    selectors (one stage per rank), or 2 * nproc of them for the V (``zb_v``)."""
+    virtual = 2 * nproc if name == "zb_v" else nproc
+    k = layers // virtual
+    selectors = ", ".join(f"h.{s * k}" for s in range(virtual))
+    text = (ROOT / "stdlib_plans" / f"{name}.ssp").read_text()
+    old = "stages into 2 * stages as vs" if name == "zb_v" else "stages into stages as st"
+    assert old in text and "microbatches: int = 2 * stages" in text
+    return (text.replace(old, f"stages {selectors} as {old.split()[-1]}")
+            .replace("microbatches: int = 2 * stages", f"microbatches: int = {microbatches}"))
 
 
 def torch_worker(model_path: str, nproc: int, layers: int, microbatches: int, steps: int,
@@ -74,27 +63,35 @@ def torch_worker(model_path: str, nproc: int, layers: int, microbatches: int, st
     mf = load_model_file(model_path)
     with distributed() as ctx:
         model = mf.build(seed=0)
-        k, r = layers // nproc, ctx.rank
-        sub = _Stage(model, r * k, (r + 1) * k, r == 0, r == nproc - 1)
-        stage = pipelining.PipelineStage(sub, r, nproc, torch.device("cpu"))
+        r = ctx.rank
+        cls = getattr(pipelining, schedule_name)
+        v = cls is pipelining.ScheduleZBVZeroBubble  # two stages per rank, in a V
+        n = 2 * nproc if v else nproc
+        k = layers // n
+        mine = [r, n - 1 - r] if v else [r]
+        subs = [_Stage(model, s * k, (s + 1) * k, s == 0, s == n - 1) for s in mine]
+        stages = [pipelining.PipelineStage(sub, s, n, torch.device("cpu"))
+                  for sub, s in zip(subs, mine)]
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                      target.reshape(-1))
 
-        cls = getattr(pipelining, schedule_name)
         multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)
-        schedule = cls([stage] if multi else stage, microbatches, loss_fn=loss_fn)
-        opt = torch.optim.SGD(sub.parameters(), lr=0.01)
+        schedule = cls(stages if multi else stages[0], microbatches, loss_fn=loss_fn)
+        opt = torch.optim.SGD([q for sub in subs for q in sub.parameters()], lr=0.01)
+        first, last = 0 in mine, n - 1 in mine
         times = []
         for step in range(steps):
             (x,), y = mf.get_batch(step, mf.batch_size)
             dist.barrier()
             start = time.perf_counter()
             opt.zero_grad()
-            if r == 0:
+            if first and last:
+                schedule.step(x, target=y, losses=[])
+            elif first:
                 schedule.step(x)
-            elif r == nproc - 1:
+            elif last:
                 schedule.step(target=y, losses=[])
             else:
                 schedule.step()
@@ -117,8 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args(argv)
-    if args.layers % args.nproc:
-        p.error("--layers must be a multiple of --nproc")
+    if args.layers % (2 * args.nproc):
+        p.error("--layers must be a multiple of 2 * --nproc (ZB-V's virtual stages)")
     figures: dict[str, list[float]] = {}
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,14 +123,18 @@ def main(argv: list[str] | None = None) -> dict:
         model.write_text(MODEL.format(gpt=str(ROOT / "examples" / "gpt.py"), layers=args.layers,
                                       width=args.width, heads=args.heads, seq=args.seq,
                                       vocab=args.vocab, batch=args.batch_size))
-        plans = {"ssdsl_1f1b": plan_text, "ssdsl_zb_h1": zb_plan_text}
+        plans = {"ssdsl_1f1b": plan_text(args.nproc, args.layers, args.microbatches)}
+        for name in ("zb_h1", "zb_v"):
+            plans[f"ssdsl_{name}"] = stdlib_plan_text(name, args.nproc, args.layers,
+                                                      args.microbatches)
         runs = {}
         for name, text in plans.items():
             f = Path(tmp) / f"{name}.ssp"
-            f.write_text(text(args.nproc, args.layers, args.microbatches))
+            f.write_text(text)
             runs[name] = ("bench_pipeline:ssdsl_worker", (str(model), str(f), args.steps))
         for name, cls in (("torch_1f1b", "Schedule1F1B"),
-                          ("torch_zero_bubble", "ScheduleInterleavedZeroBubble")):
+                          ("torch_zero_bubble", "ScheduleInterleavedZeroBubble"),
+                          ("torch_zbv", "ScheduleZBVZeroBubble")):
             runs[name] = ("bench_zb:torch_worker", (str(model), args.nproc, args.layers,
                                                     args.microbatches, args.steps, cls))
         for _ in range(args.runs):
@@ -147,15 +148,12 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 figures.setdefault(name, []).append(_run_time(per_rank, args.warmup))
     step_s = {k: statistics.median(v) for k, v in figures.items()}
-    ratios = {}
-    if {"ssdsl_zb_h1", "ssdsl_1f1b"} <= step_s.keys():
-        ratios["ssdsl_zb_h1 / ssdsl_1f1b"] = step_s["ssdsl_zb_h1"] / step_s["ssdsl_1f1b"]
-    if {"torch_zero_bubble", "torch_1f1b"} <= step_s.keys():
-        ratios["torch_zero_bubble / torch_1f1b"] = (step_s["torch_zero_bubble"]
-                                                   / step_s["torch_1f1b"])
-    if {"ssdsl_zb_h1", "torch_zero_bubble"} <= step_s.keys():
-        ratios["ssdsl_zb_h1 / torch_zero_bubble"] = (step_s["ssdsl_zb_h1"]
-                                                    / step_s["torch_zero_bubble"])
+    pairs = [("ssdsl_zb_h1", "ssdsl_1f1b"), ("ssdsl_zb_v", "ssdsl_1f1b"),
+             ("torch_zero_bubble", "torch_1f1b"), ("torch_zbv", "torch_1f1b"),
+             ("ssdsl_1f1b", "torch_1f1b"), ("ssdsl_zb_h1", "torch_zero_bubble"),
+             ("ssdsl_zb_v", "torch_zbv")]
+    ratios = {f"{a} / {b}": step_s[a] / step_s[b] for a, b in pairs
+              if a in step_s and b in step_s}
     result = {"config": vars(args), "machine": f"{platform.machine()}, "
               f"{torch.get_num_threads()} threads, torch {torch.__version__}",
               "step_s": step_s, "ratios": ratios, "runs": figures, "errors": errors}
