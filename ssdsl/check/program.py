@@ -4,7 +4,8 @@
 and buckets they were lowered from):
 
 1. *Structure* of each rank's program: units open and close in turn, each at most once, a
-   backward after its forward, in the order the plan's ``order`` statements gave; recomputed
+   backward (or input-gradient unit) after its forward, a weight-gradient unit after its
+   input-gradient unit, in the order the plan's ``order`` statements gave; recomputed
    regions close and contain no communication; the step ends with its buckets, the loss sum and
    one optimizer step, followed only by the all-gather of each ZeRO-sharded bucket.
 2. *Data*: every value an instruction reads was defined earlier on that rank and not freed;
@@ -106,9 +107,11 @@ def _structure(p: Program, m: Any) -> None:
             if open_unit is not None or ins.unit in seen:
                 what = "runs twice" if ins.unit in seen else f"starts inside unit {open_unit}"
                 raise BadUnitStructure(f"{where}: unit {ins.unit} {what}", _near(p, i))
-            if "B" in ins.unit and ins.unit.replace("B", "F") not in seen:
-                raise BadUnitStructure(f"{where}: unit {ins.unit} runs before its forward "
-                                       f"{ins.unit.replace('B', 'F')}", _near(p, i))
+            for later, first, name in (("B", "F", "forward"), ("I", "F", "forward"),
+                                       ("W", "I", "input-gradient unit")):
+                if later in ins.unit and ins.unit.replace(later, first) not in seen:
+                    raise BadUnitStructure(f"{where}: unit {ins.unit} runs before its {name} "
+                                           f"{ins.unit.replace(later, first)}", _near(p, i))
             if tail:
                 raise BadStepTail(f"{where}: unit {ins.unit} runs after the optimizer step "
                                   "or the gradient buckets", _near(p, i))
@@ -127,8 +130,8 @@ def _structure(p: Program, m: Any) -> None:
             region = True
         elif k == "end_recompute":
             region = False
-        elif k in ("comm", "backward", "reduce", "loss_sum", "step", "wait_sends",
-                   "gather") and region:
+        elif k in ("comm", "backward", "backward_input", "backward_weight", "reduce", "loss_sum",
+                   "step", "wait_sends", "gather") and region:
             raise RecomputeCommunicates(
                 f"{where}: a recomputed region holds a {k} instruction: recomputing it in "
                 "backward would run it twice", _near(p, i),

@@ -171,6 +171,14 @@ class _Emitter(Handler):
         self._hand(ins, f"backward of a segment from {len(ins.seeds)} loss part(s) and "
                    f"{len(ins.roots)} received gradient(s)")
 
+    def on_backward_input(self, ins) -> None:
+        self._hand(ins, f"input-gradient half of a segment's backward from {len(ins.seeds)} loss "
+                   f"part(s) and {len(ins.roots)} received gradient(s)")
+
+    def on_backward_weight(self, ins) -> None:
+        self._hand(ins, f"weight-gradient half of a segment's backward through {len(ins.mixes)} "
+                   "weight cut call(s)")
+
     def on_recompute(self, ins) -> None:
         name = f"recomputed_{len(self.regions)}"
         self.regions.append((name, self._const(ins)))

@@ -12,6 +12,15 @@ runs ``F(0, k) B(0, k)`` for every micro-batch) are written out instruction by i
 - a backward unit mirrors its forward: the segments' ``Backward`` in reverse order, each after
   the backward ``Comm`` of the communication point that follows it. So every rank's backward
   communication has a fixed order, written in its program.
+- a split backward (a schedule of ``I`` and ``W`` units, zero-bubble pipelines): an ``I`` unit
+  is the backward unit with ``BackwardInput`` (gradients of what the segment received only, all
+  its backward communication), a ``W`` unit the segments' ``BackwardWeight`` and the ``Free``.
+  For that, forward tells the two sides of each segment apart: a value is on the *activation
+  side* when it depends on a leaf the segment received (a cut, a communicated leaf), on the
+  *weight side* when it depends on parameters only. A call that reads both reads each weight-side
+  input through a weight cut (a ``Cut`` of its own): so the input half's autograd reaches no
+  weight (the product of a weight gradient is left out: it is not asked for), and the weight
+  half starts at those cuts, from the output gradients the input half kept.
 - ``recompute`` selections become ``RecomputeBegin``/``RecomputeEnd`` around each run of selected
   calls inside one segment: a communication point ends a run, so recompute never communicates.
 - after the units: ``WaitSends``, the weight-gradient buckets this rank is in, ``LossSum`` (unless
@@ -33,8 +42,9 @@ import torch
 
 from ssdsl.ir.graph import Op
 from ssdsl.ir.region import Region
-from ssdsl.lower.instr import (Backward, Begin, Call, Coll, Comm, Cut, End, Free, GatherBucket,
-                               LocalAdapter, LocalStep, LossSum, Msg, OptimizerStep, P2P, Program,
+from ssdsl.lower.instr import (Backward, BackwardInput, BackwardWeight, Begin, Call, Coll, Comm,
+                               Cut, End, Free, GatherBucket, LocalAdapter, LocalStep, LossSum,
+                               Msg, OptimizerStep, P2P, Program,
                                RecomputeBegin, RecomputeEnd, ReduceBucket, TakeBuffer, TakeInput,
                                TakeParam, WaitSends, moves, reads, writes)
 from ssdsl.materialize.program import Edge, Materialized
@@ -206,6 +216,8 @@ class _Segment:
     roots: list[str] = attrs.Factory(list)
     collect: list[tuple[str, str]] = attrs.Factory(list)
     span: Span | None = None
+    inputs: list[str] = attrs.Factory(list)  # received leaves it reads (split backward)
+    mixes: list[tuple[tuple[str, ...], tuple[tuple[str, str], ...]]] = attrs.Factory(list)
 
 
 class _RankLowering:
@@ -227,10 +239,18 @@ class _RankLowering:
         self.made: dict[str, list[str]] = {}         # unit -> values it defines
         self.region_start: int | None = None
         self.region_span: Span | None = None
+        # a split backward's two sides (see the module docstring): values depending on a received
+        # leaf, values depending on a parameter, and the communicated leaves with a gradient
+        self.split = False
+        self.activation_side: set[str] = set()
+        self.weight_dep: set[str] = set()
+        self.grad_leaves: set[str] = set()
+        self.n_weight_cuts = 0
 
     # -- driver ------------------------------------------------------------------------------
     def program(self) -> Program:
         units = next((us for group, us in self.c.units if self.rank in group), ())
+        self.split = any(_split_unit(u)[1] in "IW" for u, _ in units)
         for unit, span in units:
             self.out.append(Begin(unit, span=span))
             stage, pass_, mb = _split_unit(unit)
@@ -238,6 +258,10 @@ class _RankLowering:
                 self._forward(unit, stage, mb)
             elif pass_ == "B":
                 self._backward(unit, stage, mb, span)
+            elif pass_ == "I":
+                self._input_grad(stage, mb, span)
+            elif pass_ == "W":
+                self._weight_grad(stage, mb, span)
             self.out.append(End(unit, span=span))
         tail = self._anchor()
         self.out.append(WaitSends(span=tail))
@@ -299,6 +323,8 @@ class _RankLowering:
             self.uncollected.discard(value)
             self.seg.collect.append((value, value))
         if value in self.leaves or self.defined_in.get(value) is self.seg:
+            if value in self.grad_leaves and value not in self.seg.inputs:
+                self.seg.inputs.append(value)
             return value
         key = (value, self.seg.index)
         if key not in self.cuts:
@@ -313,6 +339,8 @@ class _RankLowering:
             self.leaves.add(cut)
             self.made[unit].append(cut)
             self.seg.collect.append((cut, value))
+            self.seg.inputs.append(cut)
+            self.activation_side.add(cut)
             src_seg = self.defined_in.get(value)
             if src_seg is not None and value not in src_seg.roots:
                 src_seg.roots.append(value)
@@ -371,6 +399,7 @@ class _RankLowering:
             ins: Any = TakeInput(value, g.inputs.index(name), box, use.region, span=span)
         elif name in g.params:
             ins = TakeParam(value, name, use.region, use.scale, span=span)
+            self.weight_dep.add(value)
         else:
             ins = TakeBuffer(value, name, use.region, span=span)
         self.out.append(ins)
@@ -399,6 +428,7 @@ class _RankLowering:
             self.out.append(LocalAdapter(eid, ins, outs, fwd, back, span=span))
             for o in outs:
                 self._define(o, unit)
+            self._sides(ins, outs)
             return outs[0]
         ins = (producer_value,) if is_producer else ()
         if is_producer and producer_value not in self.defined_in:
@@ -423,6 +453,8 @@ class _RankLowering:
             self.leaves.add(o)
             if _has_grad(ad):
                 self.uncollected.add(o)
+                self.grad_leaves.add(o)
+                self.activation_side.add(o)
         return outs[0] if outs else None
 
     def _edge_span(self, edge: Edge, part: Part | None) -> Span | None:
@@ -443,6 +475,8 @@ class _RankLowering:
         elif span is None:
             self._close_region()
         outs = tuple(f"{x}@{mb}" for x in op.outputs)
+        if self.split:
+            ins = self._weight_cuts(ins, outs, unit, part)
         is_loss = self.graph.output in op.outputs
         self.out.append(Call(op.name, part.index, outs, ins, part.sub.local,
                              op.returns == "list", is_loss,
@@ -452,6 +486,39 @@ class _RankLowering:
             self._define(o, unit)
         if is_loss:
             self.seg.seeds.append(outs[op.outputs.index(self.graph.output)])
+
+    def _sides(self, ins: Sequence[str | None], outs: Sequence[str]) -> None:
+        """Outputs are on the side of any of their inputs (a split backward's two sides)."""
+        if any(v in self.activation_side for v in ins if v is not None):
+            self.activation_side.update(outs)
+        if any(v in self.weight_dep for v in ins if v is not None):
+            self.weight_dep.update(outs)
+
+    def _weight_side(self, value: str) -> bool:
+        return value in self.weight_dep and value not in self.activation_side
+
+    def _weight_cuts(self, ins: tuple[str | None, ...], outs: tuple[str, ...], unit: str,
+                     part: Part) -> tuple[str | None, ...]:
+        """A call that mixes the two sides reads its weight-side inputs through weight cuts, one
+        per input (a cut shared by two calls would send one call's gradient through the other's
+        in the weight half); the segment remembers the call for ``BackwardWeight``."""
+        self._sides(ins, outs)
+        if not any(v in self.activation_side for v in ins if v is not None):
+            return ins
+        if self.region_start is not None:
+            raise AssertionError("a split backward with recompute is refused before lowering")
+        new, cuts = list(ins), []
+        for i, v in enumerate(ins):
+            if v is not None and self._weight_side(v):
+                cut = f"{v}|w{self.n_weight_cuts}"
+                self.n_weight_cuts += 1
+                self.out.append(Cut(cut, v, span=part.span or part.assigned_at))
+                self.made[unit].append(cut)
+                new[i] = cut
+                cuts.append((cut, v))
+        if cuts:
+            self.seg.mixes.append((outs, tuple(cuts)))
+        return tuple(new)
 
     # -- recompute regions ----------------------------------------------------------------------------
     def _close_region(self) -> None:
@@ -475,6 +542,39 @@ class _RankLowering:
                                              tuple(item.collect), span=item.span or span))
             else:
                 self._backward_comm(item)
+        self.out.append(Free(tuple(self.made.get(forward, ())), span=span))
+
+    def _input_grad(self, stage: int, mb: int, span: Span | None) -> None:
+        """An ``I`` unit: the backward unit's communication, with each segment's autograd over
+        its activation side only; nothing is freed (the ``W`` unit needs the graph)."""
+        items = self.forward_items.get(f"{stage}F{mb}")
+        if items is None:
+            return  # the checker names a unit without its forward
+        for item in reversed(items):
+            if isinstance(item, _Segment):
+                seeds = tuple(v for v in item.seeds if not self._weight_side(v))
+                roots = tuple(v for v in item.roots if not self._weight_side(v))
+                keep = tuple(o for outs, _ in item.mixes for o in outs)
+                if seeds or roots or item.collect:
+                    self.out.append(BackwardInput(seeds, roots, tuple(item.inputs),
+                                                  tuple(item.collect), keep,
+                                                  span=item.span or span))
+            else:
+                self._backward_comm(item)
+
+    def _weight_grad(self, stage: int, mb: int, span: Span | None) -> None:
+        """A ``W`` unit: each segment's weight side, then the ``Free`` of the forward's values."""
+        forward = f"{stage}F{mb}"
+        items = self.forward_items.get(forward)
+        if items is None:
+            return
+        for item in reversed(items):
+            if isinstance(item, _Segment):
+                seeds = tuple(v for v in item.seeds if self._weight_side(v))
+                roots = tuple(v for v in item.roots if self._weight_side(v))
+                if seeds or roots or item.mixes:
+                    self.out.append(BackwardWeight(seeds, roots, tuple(item.mixes),
+                                                   span=item.span or span))
         self.out.append(Free(tuple(self.made.get(forward, ())), span=span))
 
     def _backward_comm(self, point: _Point) -> None:

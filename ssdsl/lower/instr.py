@@ -219,6 +219,41 @@ class Backward:
 
 
 @attrs.frozen
+class BackwardInput:
+    """The input-gradient half of a split backward over one segment (an ``I`` unit): autograd
+    from ``seeds`` and ``roots`` (the segment's values that depend on what it received) to the
+    leaves it received, ``inputs`` (cuts and communicated leaves, whose gradients accumulate), then
+    ``collect`` as in ``Backward``. The gradients of ``keep`` (the outputs of calls that read a
+    weight through a weight cut) are kept for the weight half; the graph is kept too.
+
+    No weight gradient is computed here: the autograd graph reaches a weight only through a
+    weight cut, which is not asked for, so its products are left to ``BackwardWeight``."""
+
+    kind: ClassVar[str] = "backward_input"
+    seeds: tuple[str, ...]
+    roots: tuple[str, ...]
+    inputs: tuple[str, ...]
+    collect: tuple[tuple[str, str], ...]
+    keep: tuple[str, ...]
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class BackwardWeight:
+    """The weight-gradient half of a split backward over one segment (a ``W`` unit). For each
+    ``(outs, cuts)`` of ``mixes`` (a call that reads weights through the weight cuts ``cuts``,
+    ``(cut, weight value)`` pairs), the gradients of the cuts from the kept gradients of
+    ``outs``; then autograd over the weight side of the segment, from those, from ``seeds`` and
+    from ``roots`` (values that depend on weights only), into the parameters' gradients."""
+
+    kind: ClassVar[str] = "backward_weight"
+    seeds: tuple[str, ...]
+    roots: tuple[str, ...]
+    mixes: tuple[tuple[tuple[str, ...], tuple[tuple[str, str], ...]], ...]
+    span: Span | None = _span()
+
+
+@attrs.frozen
 class RecomputeBegin:
     """The calls up to ``RecomputeEnd`` keep no activations: backward runs them again from
     ``ins``; ``outs`` are what later instructions read."""
@@ -309,11 +344,12 @@ class OptimizerStep:
 
 
 Instr = (Begin | End | TakeInput | TakeParam | TakeBuffer | Call | Cut | LocalAdapter | Comm
-         | Backward | RecomputeBegin | RecomputeEnd | Free | WaitSends | ReduceBucket | LossSum
-         | OptimizerStep | GatherBucket)
+         | Backward | BackwardInput | BackwardWeight | RecomputeBegin | RecomputeEnd | Free
+         | WaitSends | ReduceBucket | LossSum | OptimizerStep | GatherBucket)
 
 INSTRUCTIONS: tuple[type, ...] = (Begin, End, TakeInput, TakeParam, TakeBuffer, Call, Cut,
-                                  LocalAdapter, Comm, Backward, RecomputeBegin, RecomputeEnd, Free,
+                                  LocalAdapter, Comm, Backward, BackwardInput, BackwardWeight,
+                                  RecomputeBegin, RecomputeEnd, Free,
                                   WaitSends, ReduceBucket, LossSum, OptimizerStep, GatherBucket)
 BY_KIND: dict[str, type] = {c.kind: c for c in INSTRUCTIONS}
 
@@ -328,6 +364,12 @@ def reads(ins: Any) -> tuple[str, ...]:
         return (ins.src,)
     if isinstance(ins, Backward):
         return ins.seeds + ins.roots + tuple(leaf for leaf, _ in ins.collect)
+    if isinstance(ins, BackwardInput):
+        return (ins.seeds + ins.roots + ins.inputs + tuple(leaf for leaf, _ in ins.collect)
+                + ins.keep)
+    if isinstance(ins, BackwardWeight):
+        return ins.seeds + ins.roots + tuple(v for outs, cuts in ins.mixes
+                                             for v in (*outs, *(x for c in cuts for x in c)))
     if isinstance(ins, RecomputeBegin):
         return ins.ins
     return ()

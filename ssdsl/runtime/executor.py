@@ -113,6 +113,7 @@ class Runner(Handler):
         self.zero = zero or {}  # this rank's chunk of each ZeRO-sharded bucket
         self.env: dict[str, Any] = {}
         self.grads: dict[str, torch.Tensor] = {}
+        self.kept: dict[str, torch.Tensor] = {}  # output gradients an I unit keeps for its W
         self.batch: tuple[torch.Tensor, ...] = ()
         self.losses: list[tuple[torch.Tensor, bool]] = []
         self.loss_total: float | None = None
@@ -124,6 +125,7 @@ class Runner(Handler):
         """A new step on the whole batch ``(*inputs, target)``."""
         self.batch = tuple(batch)
         self.env, self.grads, self.losses, self.loss_total = {}, {}, [], None
+        self.kept = {}
         # the optimizer clears the gradients of what it steps; the weights of a sharded bucket
         # are not among them (stage 1 keeps their whole gradient until here)
         for shard in self.zero.values():
@@ -192,6 +194,7 @@ class Runner(Handler):
         for v in ins.values:
             self.env.pop(v, None)
             self.grads.pop(v, None)
+            self.kept.pop(v, None)
 
     # -- local communication ----------------------------------------------------------------------
     def local_steps(self, steps, held: list[torch.Tensor], like: torch.Tensor
@@ -274,27 +277,74 @@ class Runner(Handler):
         return outs
 
     # -- backward -------------------------------------------------------------------------------
-    def on_backward(self, ins) -> None:
+    def _starts(self, seeds, roots) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Where a backward starts: loss parts (gradient one) and values whose gradient the
+        table holds (taken out of it)."""
         env = self.env
         tensors, grads = [], []
-        for v in ins.seeds:
+        for v in seeds:
             t = env.get(v)
             if t is not None and t.requires_grad:
                 tensors.append(t)
                 grads.append(torch.ones_like(t))
-        for v in ins.roots:
+        for v in roots:
             t, g = env.get(v), self.grads.pop(v, None)
             if t is not None and g is not None and t.requires_grad:
                 tensors.append(t)
                 grads.append(g)
+        return tensors, grads
+
+    def on_backward(self, ins) -> None:
+        tensors, grads = self._starts(ins.seeds, ins.roots)
         if tensors:
             torch.autograd.backward(tensors, grads)
-        for leaf, into in ins.collect:
+        self._collect(ins.collect)
+
+    def _collect(self, collect) -> None:
+        env = self.env
+        for leaf, into in collect:
             t = env.get(leaf)
             if t is not None and t.grad is not None:
                 have = self.grads.get(into)
                 self.grads[into] = t.grad if have is None else have + t.grad
                 t.grad = None
+
+    def on_backward_input(self, ins) -> None:
+        """Gradients of the received leaves only; the kept outputs' gradients come along (they
+        lie on the way), the weight cuts' do not (nobody asks for them), and the graph stays for
+        the weight half."""
+        tensors, grads = self._starts(ins.seeds, ins.roots)
+        env = self.env
+        wanted = [env[v] for v in (*ins.inputs, *ins.keep)
+                  if v in env and env[v].requires_grad]
+        if tensors and wanted:
+            torch.autograd.backward(tensors, grads, inputs=wanted, retain_graph=True)
+        for v in ins.keep:
+            t = env.get(v)
+            if t is not None and t.grad is not None:
+                self.kept[v] = t.grad
+                t.grad = None
+        self._collect(ins.collect)
+
+    def on_backward_weight(self, ins) -> None:
+        """Each mixing call's weight cuts from its outputs' kept gradients (autograd through
+        that call alone: the cuts are read by it only), then the weight side into the
+        parameters."""
+        tensors, grads = self._starts(ins.seeds, ins.roots)
+        env = self.env
+        for outs, cuts in ins.mixes:
+            ys = [(env[o], self.kept.pop(o)) for o in outs if o in self.kept]
+            cs = [(env[c], src) for c, src in cuts if env[c].requires_grad]
+            if not ys or not cs:
+                continue
+            got = torch.autograd.grad([y for y, _ in ys], [c for c, _ in cs],
+                                      [g for _, g in ys], allow_unused=True)
+            for (_, src), g in zip(cs, got):
+                if g is not None:
+                    tensors.append(env[src])
+                    grads.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
 
     # -- recompute ------------------------------------------------------------------------------
     def on_recompute(self, ins) -> None:

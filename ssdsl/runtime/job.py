@@ -29,7 +29,6 @@ from ssdsl.runtime.launch import report_event
 from ssdsl.runtime.train import MetricsCollector, OptimizerSpec, autocast
 from ssdsl.errors import SsdslError
 from ssdsl.schedule.lower import Lowered
-from ssdsl.schedule.units import Pass
 from ssdsl.schedule.resolve import resolve_pipeline
 from ssdsl.trace.export import TraceError, trace
 from ssdsl.trace.model_file import load_model_file
@@ -171,7 +170,7 @@ def schedule_plan(graph: Any, plan: Any) -> tuple[Transformed, Lowered | None]:
     t, lowered = resolve_pipeline(transform(graph, plan))
     if lowered is not None:
         check_schedule(lowered.schedule)
-        _refuse_split_backward(lowered)
+        _refuse_split_recompute(t, lowered)
     return t, lowered
 
 
@@ -199,18 +198,18 @@ def _rank_program(spec: JobSpec, m: Materialized, rank: int, mf: Any, model: tor
     return GeneratedRankProgram(m, rank, mf, model, module=module, **kwargs)
 
 
-class SplitBackwardNotRun(SsdslError):
-    """A schedule with input-grad / weight-grad units: the runtime runs whole backwards only."""
+class SplitBackwardWithRecompute(SsdslError):
+    """A schedule with input-grad / weight-grad units and ``recompute``: the two halves of a
+    split backward would each run the recomputed region again, which the runtime does not do."""
 
 
-def _refuse_split_backward(lowered: Lowered) -> None:
-    for prog in lowered.schedule.programs:
-        for unit, span in zip(prog.units, prog.spans):
-            if unit.kind not in (Pass.F, Pass.B):
-                raise SplitBackwardNotRun(
-                    f"unit {unit} splits a backward into input and weight gradients, which the "
-                    "runtime does not run yet (the checker and `ssdsl show` accept it)", span,
-                    hint="order whole backward passes (`backward st[s] mb k`)")
+def _refuse_split_recompute(t: Transformed, lowered: Lowered) -> None:
+    if lowered.schedule.split_backward and t.recompute:
+        op, span = next(iter(t.recompute.items()))
+        raise SplitBackwardWithRecompute(
+            f"'{op}' is recomputed in a schedule that splits backwards into input and weight "
+            "gradients; the runtime does not recompute inside a split backward", span,
+            hint="drop `recompute`, or order whole backward passes (`backward st[s] mb k`)")
 
 
 def rank_main(spec: JobSpec) -> dict[str, Any] | None:

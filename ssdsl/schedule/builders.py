@@ -7,17 +7,20 @@ so a test can compare what a plan lowers to against an independent construction.
 - ``one_f_one_b``: warm-up forwards, then alternate one forward and one backward (PipeDream-flush,
   Megatron's default).
 - ``interleaved_1f1b``: Megatron's interleaved schedule, device d hosting stages d, d+p, ...
+- ``zb_h1``: 1F1B with split backwards, each weight half deferred to fill the bubble (ZB-H1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ssdsl.schedule.units import B, F, Program, Schedule, StageGraph, Unit
+from ssdsl.schedule.units import B, F, Pass, Program, Schedule, StageGraph, Unit
 
 
-def _schedule(stages: StageGraph, m: int, per_device: Iterable[Iterable[Unit]]) -> Schedule:
-    return Schedule(stages, m, [Program.of(d, units) for d, units in enumerate(per_device)])
+def _schedule(stages: StageGraph, m: int, per_device: Iterable[Iterable[Unit]], *,
+              split: bool = False) -> Schedule:
+    return Schedule(stages, m, [Program.of(d, units) for d, units in enumerate(per_device)],
+                    split_backward=split)
 
 
 def gpipe(p: int, m: int, *, stages: StageGraph | None = None) -> Schedule:
@@ -85,3 +88,28 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
         units += [_interleaved_unit(k, d, p, v, forward=False) for k in range(total - warm, total)]
         progs.append(units)
     return _schedule(interleaved_stages(p, v), m, progs)
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023) on a chain of ``p`` stages.
+
+    Device d runs 1F1B's forwards and, in place of each backward, its input half ``I``; the
+    weight half ``W`` of micro-batch k runs right after the input half of micro-batch
+    ``k + d`` (the rest after the last one). Nobody waits for a ``W``, so deferring it lets the
+    ``I`` units, which the stage before waits for, run early, and the ``W`` units fill what
+    was the bubble; ``p`` micro-batches at most are alive on any device, 1F1B's peak.
+    """
+    progs = []
+    for d in range(p):
+        warm = min(p - d - 1, m)
+        delay = min(d, m)
+        units = [F(d, i) for i in range(warm)]
+        for k in range(m):
+            if k < m - warm:
+                units.append(F(d, warm + k))
+            units.append(Unit(d, Pass.I, k))
+            if k >= delay:
+                units.append(Unit(d, Pass.W, k - delay))
+        units += [Unit(d, Pass.W, k) for k in range(m - delay, m)]
+        progs.append(units)
+    return _schedule(StageGraph.chain(range(p)), m, progs, split=True)
