@@ -78,7 +78,9 @@ class _Emitter(Handler):
     def __init__(self, m: Materialized, program: Program) -> None:
         self.m, self.program = m, program
         self.graph = m.transformed.graph
-        self.placed = {(p.op, p.device): p for ps in m.transformed.parts.values() for p in ps}
+        # several parts of one operator may share a device (co-shard): keyed by index too
+        self.placed = {(p.op, p.device, p.index): p for ps in m.transformed.parts.values()
+                       for p in ps}
         self.edges = list(m.edges)
         self.stmts: list[Stmt] = []
         self.consts: list[str] = []
@@ -133,7 +135,7 @@ class _Emitter(Handler):
         else:
             lhs, rhs = outs[0], (call if lc.scale == 1.0 else f"{call} * {lc.scale!r}")
         op = self.graph.op(ins.op)
-        part = self.placed.get((ins.op, self.program.rank))
+        part = self.placed.get((ins.op, self.program.rank, ins.part))
         where = f"{op.module or '(top)'} part {_index(part) if part else ins.part}"
         spans = _spans(part.span, part.assigned_at) if part else _spans(ins.span)
         self.stmts.append(Stmt(f"{lhs} = {rhs}", where, spans, self.depth))
