@@ -222,6 +222,7 @@ class _RankLowering:
         self.region_start: int | None = None
         self.region_span: Span | None = None
         self.region_chunk: int | None = None
+        self.n_regions = 0
 
     # -- driver ------------------------------------------------------------------------------
     def program(self) -> Program:
@@ -415,10 +416,13 @@ class _RankLowering:
         use = self.m.sources[(name, op, slot, self.rank, part.index)]
         g = self.graph
         is_input = name in g.inputs
-        key = (name, use.region, use.scale, mb if is_input else -1, self.seg.index)
+        # a take inside a recomputed region serves that region only: it is never one of the
+        # region's results (co-shard: the next part's region takes its own)
+        region = self.n_regions if self.region_start is not None else -1
+        key = (name, use.region, use.scale, mb if is_input else -1, self.seg.index, region)
         if key in self.takes:
             return self.takes[key]
-        n = self.take_ids.setdefault(key[:4], len(self.take_ids))
+        n = self.take_ids.setdefault(key[:4] + key[5:], len(self.take_ids))
         value = f"{name}#{n}|{self.seg.index}"
         span = part.assigned_at or part.span
         if is_input:
@@ -506,6 +510,7 @@ class _RankLowering:
             self.region_start = len(self.out)
             self.region_span = span
             self.region_chunk = chunk  # a co-sharded part's region holds that part only
+            self.n_regions += 1
             self.out.append(RecomputeBegin((), (), span=span))
         elif span is None:
             self._close_region()
