@@ -450,8 +450,10 @@ class _RankLowering:
         is_producer = any(d == self.rank for d, _ in ad.producers)
         is_consumer = any(d == self.rank for d, _ in ad.consumers)
         if _passthrough(ad, self.rank):
-            # slot for slot; the reader takes it (or a cut of it) when it runs
-            return produced if is_consumer else None
+            # slot for slot; a later part's value (co-shard, part by part) is not made yet:
+            # its reader takes it (or a cut of it) when it runs
+            return tuple(self._use(v, unit) if v in self.defined_in else v
+                         for v in produced) if is_consumer else None
         eid = self.c.edge_ids[key]
         base = eid * self.t.microbatches + mb
         fwd = localize(ad, self.rank, 2 * base)
