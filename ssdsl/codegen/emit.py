@@ -86,6 +86,7 @@ class _Emitter(Handler):
         self.m, self.program = m, program
         self.graph = m.transformed.graph
         shared = context_of(m)  # made once per plan, not once per rank
+        # (op, device) -> the op's parts there: several under co-shard, told apart by index
         self.placed = shared.placed
         self.edges = shared.edge_keys
         self.stmts: list[Stmt] = []
@@ -141,7 +142,8 @@ class _Emitter(Handler):
         else:
             lhs, rhs = outs[0], (call if lc.scale == 1.0 else f"{call} * {lc.scale!r}")
         op = self.graph.op(ins.op)
-        part = self.placed.get((ins.op, self.program.rank))
+        part = next((p for p in self.placed.get((ins.op, self.program.rank), ())
+                     if p.index == ins.part), None)
         where = f"{op.module or '(top)'} part {_index(part) if part else ins.part}"
         spans = _spans(part.span, part.assigned_at) if part else _spans(ins.span)
         self.stmts.append(Stmt(f"{lhs} = {rhs}", where, spans, self.depth))

@@ -329,7 +329,7 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
     t = m.transformed
     g = t.graph
     held: dict[int, dict[tuple[str, Region], int]] = defaultdict(dict)
-    for (name, _op, _slot, device), use in m.sources.items():
+    for (name, _op, _slot, device, _part), use in m.sources.items():
         if name in g.params:
             held[device][(name, use.region)] = use.region.numel()
     states = OPTIMIZER_STATES[opts.optimizer] if not opts.momentum else 1

@@ -107,7 +107,8 @@ class _Context:
     edge_ids: dict[tuple[str, str, int], int]
     units: tuple[tuple[tuple[int, ...], tuple[tuple[str, Span | None], ...]], ...]
     recompute: dict[str, Span]
-    placed: dict[tuple[str, int], Part]
+    # (op, device) -> the op's parts there, row-major: several under co-shard
+    placed: dict[tuple[str, int], tuple[Part, ...]]
     edge_keys: tuple[tuple[str, str, int], ...]  # by edge id
 
     @classmethod
@@ -125,10 +126,18 @@ class _Context:
             after.setdefault(producer[key[0]].name, []).append(key)
         # resolved (stages included) and checked at the statements by the schedule phase
         recompute: dict[str, Span] = dict(t.recompute)
-        placed = {(op, p.device): p for op, parts in t.parts.items() for p in parts}
+        placed: dict[tuple[str, int], tuple[Part, ...]] = {}
+        for op, parts in t.parts.items():
+            for p in parts:
+                placed[(op, p.device)] = placed.get((op, p.device), ()) + (p,)
         return cls(m, ops_of, {s: frozenset(d) for s, d in devices.items()}, producer, after,
                    {key: i for i, key in enumerate(m.edges)}, _unit_programs(m), recompute,
                    placed, tuple(m.edges))
+
+    def first(self, op: str, rank: int) -> Part | None:
+        """The first part of ``op`` on ``rank`` (for plan lines), or None."""
+        parts = self.placed.get((op, rank))
+        return parts[0] if parts else None
 
 
 def unit_order(m: Materialized, rank: int) -> tuple[tuple[str, Span | None], ...]:
@@ -187,11 +196,12 @@ def _local_p2p(step: PointToPoint, rank: int, first_tag: int) -> P2P:
 
 
 def _passthrough(adapter: Adapter, rank: int) -> bool:
-    """Whether ``adapter`` hands this rank its own tensor (no step in either direction)."""
+    """Whether ``adapter`` hands this rank its own tensors, slot for slot (no step in either
+    direction): consumer slot j on this rank reads producer slot j's value."""
     if adapter.steps or (adapter.backward is not None and adapter.backward.steps):
         return False
     mine = [r for d, r in adapter.producers if d == rank]
-    return len(mine) == 1 and mine == [r for d, r in adapter.consumers if d == rank]
+    return len(mine) >= 1 and mine == [r for d, r in adapter.consumers if d == rank]
 
 
 def _has_grad(adapter: Adapter) -> bool:
@@ -246,6 +256,8 @@ class _RankLowering:
         self.weight_dep: set[str] = set()
         self.grad_leaves: set[str] = set()
         self.n_weight_cuts = 0
+        self.region_chunk: int | None = None
+        self.n_regions = 0
 
     # -- driver ------------------------------------------------------------------------------
     def program(self) -> Program:
@@ -287,7 +299,7 @@ class _RankLowering:
     def _anchor(self) -> Span | None:
         """A plan line for the step's tail: the first assign that placed a part here."""
         for op in self.graph.ops:
-            p = self.c.placed.get((op.name, self.rank))
+            p = self.c.first(op.name, self.rank)
             if p is not None and (p.assigned_at or p.span) is not None:
                 return p.assigned_at or p.span
         for p in (p for ps in self.t.parts.values() for p in ps):
@@ -299,7 +311,7 @@ class _RankLowering:
         names = {name for name, _ in entries}
         for op in self.graph.ops:
             if names & set(op.inputs):
-                p = self.c.placed.get((op.name, self.rank))
+                p = self.c.first(op.name, self.rank)
                 if p is not None and (p.assigned_at or p.span) is not None:
                     return p.assigned_at or p.span
         return self._anchor()
@@ -350,23 +362,83 @@ class _RankLowering:
     def _forward(self, unit: str, stage: int, mb: int) -> None:
         self.forward_items[unit] = []
         self.made[unit] = []
+        self.edge_outs: dict[tuple, tuple[str, ...] | None] = {}
         self._new_segment(unit, None)
-        for op in self.c.ops_of.get(stage, []):
-            part = self.c.placed.get((op.name, self.rank))
-            if part is None or op.name not in self.c.recompute:
+        for op, part, chunk, last in self._steps(stage):
+            if part is None or op.name not in self.c.recompute or chunk != self.region_chunk:
                 self._close_region()  # before this op's inputs: they belong outside
             self.seg.span = self.seg.span or (part.span if part is not None else None)
             local = [self._input(op, slot, name, part, unit, stage, mb)
                      for slot, name in enumerate(op.inputs)]
             if part is not None:
-                self._call(op, part, local, unit, mb)
+                self._call(op, part, local, unit, mb, chunk)
             else:
                 self._close_region()
+            if not last:
+                continue
             for key in self.c.after.get(op.name, ()):
                 edge = self.m.edges[key]
                 if self.rank in edge.adapter.devices and not self._at_consumer(key):
                     self._adapter(edge, key, unit, mb, part)
         self._close_region()
+
+    def _steps(self, stage: int):
+        """``(op, part, chunk, last)`` in the order this rank runs stage ``stage``'s operators:
+        graph order, one step per part held here (``part`` None: none held; ``last``: the op's
+        last part here, after which the edges it sends onwards are written).
+
+        A *run* is a stretch of consecutive operators of which this rank holds the same number
+        k > 1 of parts (co-shard). When every edge inside the run hands part j's output to part
+        j of the next operator on this rank (no adapter steps), the run goes part-major: all of
+        part 0, then all of part 1, ... (``chunk`` = j), so with ``recompute`` only one part's
+        activations are alive at a time. Otherwise operator-major (``chunk`` None), which is
+        the graph's order and always sound.
+        """
+        ops = self.c.ops_of.get(stage, [])
+        i = 0
+        while i < len(ops):
+            parts = self.c.placed.get((ops[i].name, self.rank), ())
+            if len(parts) < 2:
+                yield ops[i], parts[0] if parts else None, None, True
+                i += 1
+                continue
+            j = i
+            while j < len(ops) and len(self.c.placed.get((ops[j].name, self.rank), ())) == \
+                    len(parts):
+                j += 1
+            run = ops[i:j]
+            if self._part_major(run):
+                for c in range(len(parts)):
+                    for op in run:
+                        yield op, self.c.placed[(op.name, self.rank)][c], c, c == len(parts) - 1
+            else:
+                for op in run:
+                    held = self.c.placed[(op.name, self.rank)]
+                    for n, p in enumerate(held):
+                        yield op, p, None, n == len(held) - 1
+            i = j
+
+    def _part_major(self, run: Sequence[Op]) -> bool:
+        inside = {op.name for op in run}
+        for op in run:
+            for slot, name in enumerate(op.inputs):
+                edge = self.m.edges.get((name, op.name, slot))
+                if edge is None or self.c.producer[name].name not in inside:
+                    continue
+                if not _passthrough(edge.adapter, self.rank) or len(
+                        self._readers(op.name, slot)) != len(self.c.placed[(op.name, self.rank)]):
+                    return False
+        return True
+
+    def _readers(self, op: str, slot: int) -> list[Part]:
+        """This rank's parts of ``op`` that read input ``slot``: its consumer slots, in order."""
+        return [p for p in self.c.placed.get((op, self.rank), ()) if p.sub.inputs[slot] is not None]
+
+    def _value(self, tensor: str, op: str, part: Part, mb: int) -> str:
+        """The name of ``part``'s output ``tensor``: ``x@mb``, or ``x~j@mb`` for the j-th of
+        several parts of ``op`` on this rank."""
+        held = self.c.placed.get((op, self.rank), ())
+        return f"{tensor}@{mb}" if len(held) < 2 else f"{tensor}~{held.index(part)}@{mb}"
 
     def _at_consumer(self, key: tuple[str, str, int]) -> bool:
         return self.rank in self.c.stage_devices[self.t.stage(key[1])]
@@ -378,19 +450,28 @@ class _RankLowering:
         if edge is not None:
             if self.rank not in edge.adapter.devices or not self._at_consumer(key):
                 return None
-            return self._adapter(edge, key, unit, mb, part)
+            # one adapter per edge serves every part here: written where the first needs it
+            if (key, mb) not in self.edge_outs:
+                self.edge_outs[(key, mb)] = self._adapter(edge, key, unit, mb, part)
+            outs = self.edge_outs[(key, mb)]
+            if not outs or part is None or part.sub.inputs[slot] is None:
+                return None
+            return outs[self._readers(op.name, slot).index(part)]
         if part is None or part.sub.inputs[slot] is None:
             return None
         return self._source(name, op.name, slot, mb, unit, part)
 
     def _source(self, name: str, op: str, slot: int, mb: int, unit: str, part: Part) -> str:
-        use = self.m.sources[(name, op, slot, self.rank)]
+        use = self.m.sources[(name, op, slot, self.rank, part.index)]
         g = self.graph
         is_input = name in g.inputs
-        key = (name, use.region, use.scale, mb if is_input else -1, self.seg.index)
+        # a take inside a recomputed region serves that region only: it is never one of the
+        # region's results (co-shard: the next part's region takes its own)
+        region = self.n_regions if self.region_start is not None else -1
+        key = (name, use.region, use.scale, mb if is_input else -1, self.seg.index, region)
         if key in self.takes:
             return self.takes[key]
-        n = self.take_ids.setdefault(key[:4], len(self.take_ids))
+        n = self.take_ids.setdefault(key[:4] + key[5:], len(self.take_ids))
         value = f"{name}#{n}|{self.seg.index}"
         span = part.assigned_at or part.span
         if is_input:
@@ -408,31 +489,42 @@ class _RankLowering:
         self.leaves.add(value)  # takes are leaves (or views of leaves): no cut needed
         return value
 
-    def _adapter(self, edge: Edge, key, unit: str, mb: int, part: Part | None) -> str | None:
+    def _adapter(self, edge: Edge, key, unit: str, mb: int, part: Part | None
+                 ) -> tuple[str, ...] | None:
+        """Write edge ``key``'s adapter for this rank; the values of its consumer slots here
+        (one per part of the consumer that reads the edge), or None when it consumes none."""
         ad = edge.adapter
-        producer_value = f"{edge.tensor}@{mb}"
+        producer_op = self.c.producer[edge.tensor].name
+        produced = tuple(self._value(edge.tensor, producer_op, p, mb)
+                         for p in self.c.placed.get((producer_op, self.rank), ()))
         is_producer = any(d == self.rank for d, _ in ad.producers)
         is_consumer = any(d == self.rank for d, _ in ad.consumers)
         if _passthrough(ad, self.rank):
-            return self._use(producer_value, unit) if is_consumer else None
+            # slot for slot; a later part's value (co-shard, part by part) is not made yet:
+            # its reader takes it (or a cut of it) when it runs
+            return tuple(self._use(v, unit) if v in self.defined_in else v
+                         for v in produced) if is_consumer else None
         eid = self.c.edge_ids[key]
         base = eid * self.t.microbatches + mb
         fwd = localize(ad, self.rank, 2 * base)
         back = localize(ad.backward, self.rank, 2 * base + 1) if _has_grad(ad) else ()
-        outs = (f"{edge.tensor}>{edge.op}.{edge.slot}@{mb}",) if is_consumer else ()
+        n_out = sum(1 for d, _ in ad.consumers if d == self.rank)
+        outs = tuple(f"{edge.tensor}>{edge.op}.{edge.slot}{'' if n_out == 1 else f'~{j}'}@{mb}"
+                     for j in range(n_out))
         span = self._edge_span(edge, part)
         if not moves(fwd) and not moves(back):
             if not is_consumer:
                 return None  # nothing leaves this rank and nothing arrives
-            ins = (self._use(producer_value, unit),) if is_producer else ()
+            ins = tuple(self._use(v, unit) for v in produced) if is_producer else ()
             self.out.append(LocalAdapter(eid, ins, outs, fwd, back, span=span))
             for o in outs:
                 self._define(o, unit)
             self._sides(ins, outs)
-            return outs[0]
-        ins = (producer_value,) if is_producer else ()
-        if is_producer and producer_value not in self.defined_in:
-            raise AssertionError(f"rank {self.rank}: {producer_value} is sent before it is made")
+            return outs
+        ins = produced if is_producer else ()
+        for v in ins:
+            if v not in self.defined_in:
+                raise AssertionError(f"rank {self.rank}: {v} is sent before it is made")
         shapes = tuple(r.local_shape for d, r in ad.producers if d == self.rank)
         # floats of the traced dtype travel in the run's dtype, chosen when the program runs (a
         # compiled program serves float32 and float64 runs alike); a tensor the model keeps in
@@ -442,10 +534,10 @@ class _RankLowering:
         comm = Comm(eid, mb, False, ins, outs, shapes, dtype, fwd, grad=_has_grad(ad), span=span)
         self._close_region()
         self.out.append(comm)
-        if _has_grad(ad) and is_producer:
-            src = self.defined_in[producer_value]
-            if producer_value not in src.roots:
-                src.roots.append(producer_value)
+        for v in ins if _has_grad(ad) else ():
+            src = self.defined_in[v]
+            if v not in src.roots:
+                src.roots.append(v)
         self.forward_items[unit].append(_Point(comm, key))
         self._new_segment(unit, span)
         for o in outs:
@@ -455,26 +547,29 @@ class _RankLowering:
                 self.uncollected.add(o)
                 self.grad_leaves.add(o)
                 self.activation_side.add(o)
-        return outs[0] if outs else None
+        return outs or None
 
     def _edge_span(self, edge: Edge, part: Part | None) -> Span | None:
-        mine = self.c.placed.get((edge.op, self.rank)) or part
-        for p in (mine, self.c.placed.get((self.c.producer[edge.tensor].name, self.rank)),
+        mine = self.c.first(edge.op, self.rank) or part
+        for p in (mine, self.c.first(self.c.producer[edge.tensor].name, self.rank),
                   self.t.parts[edge.op][0]):
             if p is not None and (p.assigned_at or p.span) is not None:
                 return p.assigned_at or p.span
         return None
 
-    def _call(self, op: Op, part: Part, local: Sequence[str | None], unit: str, mb: int) -> None:
+    def _call(self, op: Op, part: Part, local: Sequence[str | None], unit: str, mb: int,
+              chunk: int | None = None) -> None:
         ins = tuple(None if v is None else self._use(v, unit) for v in local)
         span = self.c.recompute.get(op.name)
         if span is not None and self.region_start is None:
             self.region_start = len(self.out)
             self.region_span = span
+            self.region_chunk = chunk  # a co-sharded part's region holds that part only
+            self.n_regions += 1
             self.out.append(RecomputeBegin((), (), span=span))
         elif span is None:
             self._close_region()
-        outs = tuple(f"{x}@{mb}" for x in op.outputs)
+        outs = tuple(self._value(x, op.name, part, mb) for x in op.outputs)
         if self.split:
             ins = self._weight_cuts(ins, outs, unit, part)
         is_loss = self.graph.output in op.outputs

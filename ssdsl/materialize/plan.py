@@ -35,7 +35,8 @@ import torch
 from ssdsl.ir.layout import Layout
 from ssdsl.materialize.p2p import plan_p2p
 from ssdsl.materialize.rvd import plan_regular
-from ssdsl.materialize.steps import Adapter, Placement, Step
+from ssdsl.ir.region import Region
+from ssdsl.materialize.steps import Adapter, Message, Placement, PointToPoint, Step
 
 _Placements = tuple[Placement, ...]
 
@@ -88,6 +89,9 @@ def plan_forward(shape: tuple[int, ...], dtype: torch.dtype, producers: _Placeme
     """The steps alone (no caching, no backward)."""
     if _same(producers, consumers):
         return []
+    summed = _local_sums(shape, producers)
+    if summed is not None:  # co-shard: a device's partial sums add up locally first
+        return [summed, *plan_forward(shape, dtype, summed.targets, consumers)]
     itemsize = torch.empty((), dtype=dtype).element_size()
     src = Layout.from_placements(shape, producers)
     dst = Layout.from_placements(shape, consumers)
@@ -103,6 +107,34 @@ def plan_forward(shape: tuple[int, ...], dtype: torch.dtype, producers: _Placeme
                 return [*steps, fixup]
             return [direct]
     return [plan_p2p(shape, dtype, producers, consumers)]
+
+
+def _local_sums(shape: tuple[int, ...], producers: _Placements) -> PointToPoint | None:
+    """A local step that adds up the value parts a device holds of one region, when that
+    makes a regular layout (co-shard's row-parallel linear: parts 2j and 2j+1 of 4 on device
+    j become part j of 2, so one all-reduce over the devices follows, not a message per
+    part); None when no device holds several placements or the sum is not regular.
+
+    Parts k0..k0+m-1 of V on one device (k0 a multiple of m) are part k0/m of V/m.
+    """
+    slots: dict[int, list[Region]] = {}
+    for d, r in producers:
+        slots.setdefault(d, []).append(r)
+    if all(len(rs) == 1 for rs in slots.values()):
+        return None
+    targets: list[Placement] = []
+    messages: list[Message] = []
+    for d, rs in slots.items():
+        ks = sorted(r.part[0] for r in rs)
+        m, v = len(rs), rs[0].part[1]
+        if (any(r.intervals != rs[0].intervals or r.part[1] != v for r in rs) or v % m
+                or ks[0] % m or ks != list(range(ks[0], ks[0] + m))):
+            return None
+        targets.append((d, rs[0].with_part((ks[0] // m, v // m))))
+        messages += [Message(d, i, d, 0, r) for i, r in enumerate(rs)]
+    if Layout.from_placements(shape, targets) is None:
+        return None
+    return PointToPoint(tuple(producers), tuple(targets), tuple(messages), 0)
 
 
 def _same(producers: _Placements, consumers: _Placements) -> bool:

@@ -32,7 +32,8 @@ from ssdsl.transform.select import select_ops
 
 
 class UnsupportedPlacement(SsdslError):
-    """A placement this runtime does not execute yet (several parts of one operator on a device)."""
+    """A placement this runtime does not execute yet (several parts of one operator on a device
+    of a pipeline: micro-batches or stages)."""
 
 
 @attrs.frozen
@@ -60,7 +61,8 @@ class Materialized:
 
     transformed: Transformed
     edges: Mapping[tuple[str, str, int], Edge] = attrs.field(converter=MappingProxyType)
-    sources: Mapping[tuple[str, str, int, int], SourceUse] = attrs.field(
+    # (tensor, op, slot, device, part index): a device may hold several parts of one operator
+    sources: Mapping[tuple[str, str, int, int, tuple[int, ...]], SourceUse] = attrs.field(
         converter=MappingProxyType)
     reducer: GradReducer
     dtype: torch.dtype
@@ -68,10 +70,16 @@ class Materialized:
     schedule: Any = None
 
     def part_on(self, op: str, device: int) -> Part | None:
+        """The first part of ``op`` on ``device`` (co-shard puts several there)."""
         for p in self.transformed.parts[op]:
             if p.device == device:
                 return p
         return None
+
+    def parts_on(self, op: str, device: int) -> tuple[Part, ...]:
+        """The parts of ``op`` on ``device``, in row-major order: the order of that device's
+        slots in every adapter of ``op``'s outputs, and the order in which they run."""
+        return tuple(p for p in self.transformed.parts[op] if p.device == device)
 
     def accounting(self) -> dict[str, Any]:
         """Collectives per step: ``{kind: {"count": n, "bytes": b}}``, forward, backward, reducer."""
@@ -111,7 +119,7 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     """
     if schedule is None:
         t = gather_fanouts(t)
-    _check_one_part_per_device(t)
+    _check_one_part_per_device(t, schedule)
     g = t.graph
     sources = source_names(t)
     producer = g.producer()
@@ -120,13 +128,13 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     needs_grad = grad_tensors(g)
     traced = traced_dtype(g)
     edges: dict[tuple[str, str, int], Edge] = {}
-    reads: dict[tuple[str, str, int, int], Part] = {}
+    reads: dict[tuple[str, str, int, int, tuple[int, ...]], Part] = {}
     for op in g.ops:
         for slot, name in enumerate(op.inputs):
             readers = [p for p in t.parts[op.name] if p.sub.inputs[slot] is not None]
             if name in sources:
                 for p in readers:
-                    reads[(name, op.name, slot, p.device)] = p
+                    reads[(name, op.name, slot, p.device, p.index)] = p
                 continue
             if not readers:  # only its shape is used (view_as's other): nothing moves
                 continue
@@ -306,7 +314,7 @@ def _copies(t: Transformed, part: Part, slot: int,
     return _replicas(t, part, slot)
 
 
-def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int], Part],
+def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Part],
              dtype: torch.dtype, partial: Mapping[str, Mapping[int, tuple[int, int]]] = {}
              ) -> tuple[list[Weight], dict[tuple, float]]:
     """The reducer's weights, and the gradient scale of each parameter read.
@@ -319,7 +327,7 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int], Part],
     """
     holders: dict[tuple[str, Region], dict[int, list]] = {}
     for key, p in reads.items():
-        name, op, slot, device = key
+        name, op, slot, device, _ = key
         if name not in t.graph.params:
             continue
         region = _region(t, name, p.sub.inputs[slot])
@@ -331,13 +339,22 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int], Part],
     for (name, region), by_device in holders.items():
         classes: dict[tuple, list[int]] = {}
         for device, sig in sorted(by_device.items()):
-            classes.setdefault(tuple(sorted(sig)), []).append(device)
+            classes.setdefault(tuple(sorted(set(sig))), []).append(device)
         sizes = {len(c) for c in classes.values()}
         shape = t.shape(name)
         if len(sizes) == 1:
             for i in range(sizes.pop()):
                 group = tuple((c[i], region) for c in classes.values())
                 weights.append(Weight(name, shape, dtype, group))
+            # Replicas of one part on one device (co-shard) compute copies of one gradient,
+            # and the device's leaf adds them: each counts 1/m of it.
+            for key, p in reads.items():
+                if key[0] == name and _region(t, name, p.sub.inputs[key[2]]) == region:
+                    who = ("partial", partial[key[1]][key[3]]) if key[1] in partial \
+                        else p.partition_index
+                    m = by_device[key[3]].count((key[1], key[2], who))
+                    if m > 1:
+                        scales[key] = 1.0 / m
             continue
         weights.append(Weight(name, shape, dtype, tuple((d, region) for d in sorted(by_device))))
         for key, p in reads.items():
@@ -346,12 +363,18 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int], Part],
     return weights, scales
 
 
-def _check_one_part_per_device(t: Transformed) -> None:
+def _check_one_part_per_device(t: Transformed, schedule: Any = None) -> None:
+    """Several parts of one operator on a device (co-shard) run one after another; the
+    lowering does that for a plan without pipeline stages or micro-batches only."""
+    if schedule is None and t.microbatches == 1:
+        return
     for op, parts in t.parts.items():
         devices = [p.device for p in parts]
         if len(devices) != len(set(devices)):
             first = next(p for p in parts if devices.count(p.device) > 1)
             raise UnsupportedPlacement(
-                f"operator '{op}' has several parts on device {first.device}; the runtime runs "
-                "one part of an operator per device", first.assigned_at,
-                hint="spread the parts over as many devices as there are parts")
+                f"operator '{op}' has several parts on device {first.device}; with stages or "
+                "micro-batches the runtime runs one part of an operator per device",
+                first.assigned_at,
+                hint="spread the parts over as many devices as there are parts, or co-shard "
+                     "(several parts per device) in a plan without stages and microbatch")

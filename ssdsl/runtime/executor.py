@@ -101,6 +101,23 @@ class _LocalSteps(torch.autograd.Function):
         return (None, None, None, *res[:ctx.n])
 
 
+def _whole_copies(step: P2P) -> set[int]:
+    """Target slots that one local copy of a whole source slot fills (co-shard's parts reading
+    one replicated input): they share the source's storage instead of a zeroed copy of it.
+    Nothing writes into a value in place, so sharing is safe."""
+    count: dict[int, int] = {}
+    for msg in step.msgs:
+        count[msg.dst_slot] = count.get(msg.dst_slot, 0) + 1
+    return {msg.dst_slot for msg in step.msgs
+            if msg.kind == "copy" and count[msg.dst_slot] == 1
+            and _spatial(step.targets[msg.dst_slot]) == _spatial(msg.region)
+            == _spatial(step.sources[msg.src_slot])}
+
+
+def _spatial(r: Region) -> tuple:
+    return (r.shape, r.intervals)
+
+
 class Runner(Handler):
     """The instruction handlers of one rank; communication goes through ``meet``, ``meet_all``
     and ``post``, which each backend defines."""
@@ -204,10 +221,14 @@ class Runner(Handler):
             if isinstance(step, Coll):
                 held = [local_coll(step, self.rank, held[0])] if held else held
             else:
+                whole = _whole_copies(step)
                 outs = [torch.zeros(r.local_shape, dtype=like.dtype, device=like.device)
-                        for r in step.targets]
+                        if j not in whole else None for j, r in enumerate(step.targets)]
                 for msg in step.msgs:
                     piece = step.sources[msg.src_slot].extract(held[msg.src_slot], msg.region)
+                    if msg.dst_slot in whole:
+                        outs[msg.dst_slot] = piece.view_as(piece)
+                        continue
                     step.targets[msg.dst_slot].add_into(outs[msg.dst_slot], msg.region, piece)
                 held = outs
         return held
@@ -257,12 +278,16 @@ class Runner(Handler):
 
     def _p2p(self, step: P2P, held: list[torch.Tensor], dtype: torch.dtype, ins
              ) -> Iterator[Wait]:
+        whole = _whole_copies(step)
         outs = [torch.zeros(r.local_shape, dtype=dtype, device=self.device)
-                for r in step.targets]
+                if j not in whole else None for j, r in enumerate(step.targets)]
         recvs: list[tuple[Any, Wait]] = []
         for msg in step.msgs:
             if msg.kind == "copy":
                 piece = step.sources[msg.src_slot].extract(held[msg.src_slot], msg.region)
+                if msg.dst_slot in whole:
+                    outs[msg.dst_slot] = piece.view_as(piece)
+                    continue
                 step.targets[msg.dst_slot].add_into(outs[msg.dst_slot], msg.region, piece)
             elif msg.kind == "send":
                 piece = step.sources[msg.src_slot].extract(held[msg.src_slot], msg.region)

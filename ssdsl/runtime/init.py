@@ -209,7 +209,7 @@ def init_shards(m: Any, rank: int, source: Source
     constants = {k: v for k, v in graph.constants.items() if isinstance(v, torch.Tensor)}
     leaves: dict[tuple[str, Region], torch.Tensor] = {}
     fixed: dict[tuple[str, Region], torch.Tensor] = {}
-    for (name, _op, _slot, device), use in m.sources.items():
+    for (name, _op, _slot, device, _part), use in m.sources.items():
         if device != rank or name in graph.inputs:
             continue
         key = (name, use.region)

@@ -372,7 +372,7 @@ def _param_span(m: Materialized, problems) -> Any:
     g = m.transformed.graph
     for name, qual in g.params.items():
         if any(qual in p for p in problems):
-            for (tensor, op, _slot, device), _ in m.sources.items():
+            for (tensor, op, _slot, device, _part), _ in m.sources.items():
                 if tensor == name:
                     part = m.part_on(op, device)
                     if part is not None and (part.span or part.assigned_at):
