@@ -357,3 +357,22 @@ def test_checkpoint_of_sharded_optimizer_state_is_refused_at_the_zero_line():
     with pytest.raises(CheckpointError) as info:
         rank_checkpoint(prog, step=1, state_keys=[])
     assert info.value.span.file.endswith("dp_zero.ssp") and info.value.span.line == 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inner", ["dp_tp(dp=2)", "dp_tp_1f1b(dp=2, pp=2)"],
+                         ids=["dp2xtp2", "dp2xpp2"])
+def test_composed_run_check_on_gloo(capsys, tmp_path, inner):
+    """Stage 2 composed with Megatron TP and with a 1F1B pipeline, on 4 gloo ranks."""
+    from ssdsl.cli import main
+    plan = tmp_path / "composed_zero.ssp"
+    plan.write_text(f"plan composed_zero()\nuse {inner}\nzero over devices 0..4 stage 2\n")
+    code = main(["run", str(GPT), str(plan), "--nproc", "4", "--steps", "3", "--check",
+                 "--dtype", "float64", "--optimizer", "sgd", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["check"]["ok"], out["check"]
+    worst = {w["what"]: w["error"] for w in out["check"]["worst"]}
+    assert worst["loss"] < 1e-9 and worst["param"] < 1e-9
+    grads = out["communication"]["gradients"]
+    assert set(grads) == {"reduce_scatter", "all_gather"}
+    assert grads["reduce_scatter"]["bytes"] == grads["all_gather"]["bytes"]
