@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -22,16 +23,16 @@ from ssdsl.elaborate import elaborate_file, elaborate_text
 from ssdsl.ir.interpret import with_step_values
 from ssdsl.lower import lower_plan, parse_program, program_text
 from ssdsl.lower.instr import GatherBucket, ReduceBucket
+from ssdsl.lower.walk import Exchange, run_all, walk
 from ssdsl.materialize.program import materialize
 from ssdsl.materialize.reducer import NotDataParallel, shard_range
+from ssdsl.runtime.comm import combine
 from ssdsl.runtime.executor import assemble, init_state
 from ssdsl.runtime.job import schedule_plan
 from ssdsl.runtime.reference import run_reference, to_dtype
 from ssdsl.runtime.simulate import SimRunner
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
 from ssdsl.runtime.zero import model_state_bytes, optimizer_params, zero_shards
-from ssdsl.lower.walk import Exchange, run_all, walk
-from ssdsl.runtime.comm import combine
 from ssdsl.trace.export import trace
 from ssdsl.trace.model_file import load_model_file
 
@@ -228,7 +229,6 @@ def zero2():
 
 
 def _with(progs, rank, instructions):
-    import attrs
     out = list(progs)
     out[rank] = attrs.evolve(out[rank], instructions=tuple(instructions))
     return tuple(out)
@@ -240,7 +240,6 @@ def _at(p, kind):
 
 def all_reduce_on_one_rank(m, progs):
     """Rank 0 all-reduces (stage 1) what rank 1 reduce-scatters."""
-    import attrs
     p = progs[0]
     i = _at(p, "reduce")
     return _with(progs, 0, (*p.instructions[:i], attrs.evolve(p.instructions[i], zero=1),
@@ -261,7 +260,6 @@ def gather_before_step(m, progs):
 
 
 def gather_another_group(m, progs):
-    import attrs
     p = progs[0]
     i = _at(p, "gather")
     bad = attrs.evolve(p.instructions[i], group=(0,))
@@ -357,3 +355,22 @@ def test_checkpoint_of_sharded_optimizer_state_is_refused_at_the_zero_line():
     with pytest.raises(CheckpointError) as info:
         rank_checkpoint(prog, step=1, state_keys=[])
     assert info.value.span.file.endswith("dp_zero.ssp") and info.value.span.line == 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inner", ["dp_tp(dp=2)", "dp_tp_1f1b(dp=2, pp=2)"],
+                         ids=["dp2xtp2", "dp2xpp2"])
+def test_composed_run_check_on_gloo(capsys, tmp_path, inner):
+    """Stage 2 composed with Megatron TP and with a 1F1B pipeline, on 4 gloo ranks."""
+    from ssdsl.cli import main
+    plan = tmp_path / "composed_zero.ssp"
+    plan.write_text(f"plan composed_zero()\nuse {inner}\nzero over devices 0..4 stage 2\n")
+    code = main(["run", str(GPT), str(plan), "--nproc", "4", "--steps", "3", "--check",
+                 "--dtype", "float64", "--optimizer", "sgd", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["check"]["ok"], out["check"]
+    worst = {w["what"]: w["error"] for w in out["check"]["worst"]}
+    assert worst["loss"] < 1e-9 and worst["param"] < 1e-9
+    grads = out["communication"]["gradients"]
+    assert set(grads) == {"reduce_scatter", "all_gather"}
+    assert grads["reduce_scatter"]["bytes"] == grads["all_gather"]["bytes"]
