@@ -41,8 +41,9 @@ import torch
 
 from ssdsl.ir.graph import Op
 from ssdsl.ir.region import Region
-from ssdsl.lower.instr import (Backward, BackwardInput, BackwardWeight, Begin, Call, Coll, Comm, Cut, End, Free, LocalAdapter,
-                               LocalStep, LossSum, Msg, OptimizerStep, P2P, Program,
+from ssdsl.lower.instr import (Backward, BackwardInput, BackwardWeight, Begin, Call, Coll, Comm,
+                               Cut, End, Free, LocalAdapter, LocalStep, LossSum, Msg,
+                               OptimizerStep, P2P, Program,
                                RecomputeBegin, RecomputeEnd, ReduceBucket, TakeBuffer, TakeInput,
                                TakeParam, WaitSends, moves, reads, writes)
 from ssdsl.materialize.program import Edge, Materialized
