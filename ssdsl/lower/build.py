@@ -250,11 +250,10 @@ class _RankLowering:
         self.region_start: int | None = None
         self.region_span: Span | None = None
         # a split backward's two sides (see the module docstring): values depending on a received
-        # leaf, values depending on a parameter, and the communicated leaves with a gradient
+        # leaf (the leaves included), values depending on a parameter
         self.split = False
         self.activation_side: set[str] = set()
         self.weight_dep: set[str] = set()
-        self.grad_leaves: set[str] = set()
         self.n_weight_cuts = 0
         self.region_chunk: int | None = None
         self.n_regions = 0
@@ -335,7 +334,11 @@ class _RankLowering:
             self.uncollected.discard(value)
             self.seg.collect.append((value, value))
         if value in self.leaves or self.defined_in.get(value) is self.seg:
-            if value in self.grad_leaves and value not in self.seg.inputs:
+            # a received leaf may be read by a later segment than its own (a cut made while
+            # the inputs of a call were gathered, before one of them communicated): each
+            # segment that reads it adds to its gradient
+            if value in self.leaves and value in self.activation_side \
+                    and value not in self.seg.inputs:
                 self.seg.inputs.append(value)
             return value
         key = (value, self.seg.index)
@@ -545,7 +548,6 @@ class _RankLowering:
             self.leaves.add(o)
             if _has_grad(ad):
                 self.uncollected.add(o)
-                self.grad_leaves.add(o)
                 self.activation_side.add(o)
         return outs or None
 

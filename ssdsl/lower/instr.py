@@ -162,7 +162,9 @@ class Call:
 @attrs.frozen
 class Cut:
     """``out`` = a detached leaf copy of ``src`` (made in an earlier segment); after the backward
-    of this segment, its gradient is added to ``src``'s."""
+    of this segment, its gradient is added to ``src``'s. In a split backward a *weight cut*
+    (``src`` a weight-side value of the same segment, read by one call) is a ``Cut`` too: its
+    gradient is taken by ``BackwardWeight``."""
 
     kind: ClassVar[str] = "cut"
     out: str
