@@ -23,6 +23,10 @@ runs ``F(0, k) B(0, k)`` for every micro-batch) are written out instruction by i
   half starts at those cuts, from the output gradients the input half kept.
 - ``recompute`` selections become ``RecomputeBegin``/``RecomputeEnd`` around each run of selected
   calls inside one segment: a communication point ends a run, so recompute never communicates.
+- several parts of one operator on a rank (co-shard) are several ``Call``s, in part order, and
+  the rank's slots of that operator's adapters; where every edge between a stretch of such
+  operators hands part j to part j, the stretch runs part by part, and a recomputed region holds
+  one part only, so one part's activations are alive at a time (``_RankLowering._steps``).
 - after the units: ``WaitSends``, the weight-gradient buckets this rank is in, ``LossSum`` (unless
   the step's loss rides in the last bucket of all ranks), and
   ``OptimizerStep``; then a ``GatherBucket`` per ZeRO-sharded bucket (``zero``), which rebuilds
