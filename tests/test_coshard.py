@@ -183,3 +183,16 @@ def test_the_checker_reads_the_parts_order() -> None:
     programs[0] = attrs.evolve(programs[0], instructions=tuple(ins))
     with pytest.raises(UndefinedValue):
         check_programs(programs, m=m)
+
+
+def test_parts_that_communicate_between_them_run_operator_by_operator() -> None:
+    # c_proj along out reads the whole hidden dim: an all-gather between the co-sharded linears
+    plan = ROOT / "tests" / "plans" / "coshard_gathered.ssp"
+    v = verify_before_launch(JobSpec(str(GPT), str(plan)), 2)
+    assert v.verified, v.reason
+    assert v.max_grad_error < 1e-10
+    graph = trace(load_model_file(GPT), device="meta")
+    t, lowered = schedule_plan(graph, elaborate_file(str(plan), world=2))
+    prog = lower_rank(materialize(t, schedule=lowered), 0).instructions
+    fc = [i.part for i in prog if isinstance(i, Call) and i.op in ("linear_2", "linear_3")]
+    assert fc == [(0,), (1,), (0,), (1,)]  # operator-major: both parts of c_fc, then c_proj's
