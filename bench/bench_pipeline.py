@@ -166,8 +166,9 @@ def _run_time(per_rank: list[list[float]], warmup: int) -> float:
     return statistics.median(slowest[warmup:])
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The model and run flags the pipeline benchmarks share (bench_pipeline, bench_peers,
+    bench_zb): one GPT, its ranks, batch, micro-batches and timed steps."""
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=128)
@@ -178,6 +179,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(p)
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args(argv)
     if args.layers % args.nproc:

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_pipeline import MODEL, _run_time, _Stage, plan_text  # noqa: E402
+from bench_pipeline import MODEL, _run_time, _Stage, add_run_args, plan_text  # noqa: E402
 
 from ssdsl.runtime.launch import launch  # noqa: E402
 
@@ -105,16 +105,7 @@ def torch_worker(model_path: str, nproc: int, layers: int, microbatches: int, st
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
+    add_run_args(p)
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args(argv)
     if args.layers % (2 * args.nproc):

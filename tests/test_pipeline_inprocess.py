@@ -31,10 +31,10 @@ GPT = ROOT / "examples" / "gpt.py"
 SGD = OptimizerSpec("sgd", 0.1)
 
 
-def _program(tmp_path: Path, text: str) -> tuple[RankProgram, object]:
+def _program(tmp_path: Path, text: str, model: Path = GPT) -> tuple[RankProgram, object]:
     plan_file = tmp_path / "plan.ssp"
     plan_file.write_text(text)
-    mf = load_model_file(str(GPT))
+    mf = load_model_file(str(model))
     model = mf.build(seed=0).to(torch.float64)
     graph = trace(mf, device="cpu", model=model)
     t, lowered = schedule_plan(graph, elaborate_file(str(plan_file), world=1))

@@ -15,50 +15,16 @@ import pytest
 import torch
 
 from ssdsl.elaborate import elaborate_file
-from ssdsl.materialize.program import materialize
-from ssdsl.runtime.executor import RankProgram, assemble
-from ssdsl.runtime.job import schedule_plan
+from ssdsl.runtime.executor import assemble
 from ssdsl.runtime.reference import norm_scaled_errors, run_reference
 from ssdsl.runtime.train import OptimizerSpec
-from ssdsl.trace.export import trace
-from ssdsl.trace.model_file import load_model_file
+
+from tests.test_pipeline_inprocess import _check_two_steps, _program
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "gpt.py"
 MLP = ROOT / "examples" / "mlp.py"
 SGD = OptimizerSpec("sgd", 0.1)
-
-
-def _program(tmp_path: Path, text: str, model: Path = GPT) -> tuple[RankProgram, object]:
-    plan_file = tmp_path / "plan.ssp"
-    plan_file.write_text(text)
-    mf = load_model_file(str(model))
-    net = mf.build(seed=0).to(torch.float64)
-    graph = trace(mf, device="cpu", model=net)
-    t, lowered = schedule_plan(graph, elaborate_file(str(plan_file), world=1))
-    m = materialize(t, dtype=torch.float64, schedule=lowered)
-    return RankProgram(m, 0, mf, net, dtype=torch.float64, optimizer=SGD, groups=None), mf
-
-
-def _grads(prog: RankProgram) -> dict[str, torch.Tensor]:
-    return assemble([(prog.graph.params[name], region, leaf.grad.detach().clone())
-                     for (name, region), leaf in prog.state.leaves.items()])
-
-
-def _check_two_steps(prog: RankProgram, mf) -> None:
-    ref = run_reference(mf, steps=2, dtype=torch.float64, optimizer=SGD, grad_steps=(0,))
-    loss0 = prog.step(0, None)
-    grads = _grads(prog)
-    loss1 = prog.step(1, None)
-    assert loss0 == pytest.approx(ref.losses[0], rel=1e-12, abs=0)
-    assert loss1 == pytest.approx(ref.losses[1], rel=1e-12, abs=0)
-    names = {k: k if k in ref.grads[0] else next(a for a in prog.graph.aliases.get(k, ())
-                                                if a in ref.grads[0]) for k in grads}
-    expected = {k: ref.grads[0][names[k]] for k in grads}  # every parameter, the tied one too
-    assert max(norm_scaled_errors(expected, grads).values()) < 1e-10
-    final = assemble(prog.shards())
-    errors = norm_scaled_errors({k: ref.final_state[k] for k in final}, final)
-    assert max(errors.values()) < 1e-10
 
 
 THREE_STAGES = """plan p(mbs: int = 4)
