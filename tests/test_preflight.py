@@ -101,6 +101,51 @@ def test_a_dropped_gradient_reduction_names_the_weight(monkeypatch):
     assert info.value.span is not None
 
 
+def _planned(spec, world):
+    from ssdsl.runtime.job import launch_files
+    with launch_files(spec, world) as planned:  # the launcher's plan, in the run's float32
+        return planned.m
+
+
+def test_the_launchers_own_programs_are_simulated_in_float64_without_planning_again(monkeypatch):
+    """Verification runs the very programs the ranks will run (planned from the float32 trace),
+    in float64; it does not trace or plan a second time."""
+    spec = JobSpec(GPT, "megatron_tp", (("tp", "2"),))
+    m = _planned(spec, 2)
+    plans: list = []
+    monkeypatch.setattr(preflight, "plan_job", lambda *a, **k: plans.append(a) or plan_job(*a, **k))
+    v = verify_before_launch(spec, 2, planned=m)
+    assert v.verified and v.dtype == "float64" and v.max_grad_error < 1e-12
+    assert plans == [] and str(m.dtype) == "torch.float32"
+
+
+def test_a_model_that_computes_otherwise_in_float64_is_verified_by_a_float64_plan(monkeypatch):
+    """``torch.finfo(x.dtype).eps`` is float32's in the float32 trace and float64's in the
+    float64 model: the float32 programs run in float64 part from the plain float64 model by
+    1e-7, which is the model's doing, not the plan's; a float64 plan agrees, so it is verified
+    (not refused), and its programs, run in float32, agree with the float32 model too."""
+    spec = JobSpec(str(MODELS / "finfo_eps.py"), "dp")
+    m = _planned(spec, 2)
+    plans: list = []
+    monkeypatch.setattr(preflight, "plan_job", lambda *a, **k: plans.append(a[0].dtype) or
+                        plan_job(*a, **k))
+    v = verify_before_launch(spec, 2, planned=m)
+    assert v.verified and v.dtype == "float32" and plans == ["float64"]
+
+
+def test_programs_wrong_only_in_the_run_dtype_are_refused():
+    """The verdict is on the programs that run: a fault in the launcher's float32 plan is
+    refused even though a float64 plan made afresh is right."""
+    spec = JobSpec(GPT, "megatron_tp", (("tp", "2"),))
+    m = _planned(spec, 2)
+    key, edge = next((k, e) for k, e in m.edges.items() if e.adapter.kinds == ("all_reduce",))
+    wrong = attrs.evolve(m, edges={**m.edges, key: attrs.evolve(
+        edge, adapter=attrs.evolve(edge.adapter, steps=()))})
+    with pytest.raises(TrainsDifferently) as info:
+        verify_before_launch(spec, 2, planned=wrong)
+    assert f"operator '{key[1]}'" in info.value.message and info.value.span is not None
+
+
 def test_too_large_to_simulate_says_so():
     v = verify_before_launch(JobSpec(MLP, "dp"), 2, available_bytes=1024)
     assert v.status == "not verified" and "too large" in v.reason

@@ -18,7 +18,7 @@ order of every collective and message, backward included, is the program's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -66,10 +66,22 @@ class RankState:
     fixed: dict[tuple[str, Region], torch.Tensor]
 
 
-def init_state(m: Materialized, rank: int, model) -> RankState:
+def init_state(m: Materialized, rank: int, model, *, dtype: torch.dtype | None = None
+               ) -> RankState:
     """This rank's regions of the seeded single-device model's parameters and buffers, from a
-    live model or a state file of it, without the full model (``ssdsl.runtime.init``)."""
-    return RankState(*init_shards(m, rank, model))
+    live model or a state file of it, without the full model (``ssdsl.runtime.init``); floats
+    in ``dtype`` (default: the plan's)."""
+    return RankState(*init_shards(m, rank, model, dtype=dtype))
+
+
+def retyped(value: Any, retype: Mapping[torch.dtype, torch.dtype]) -> Any:
+    """``value`` (a call's arguments) with every dtype in ``retype`` replaced: the traced dtype
+    of a plan's floats becomes the dtype its programs run in (``Runner.retype``)."""
+    if isinstance(value, torch.dtype):
+        return retype.get(value, value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(retyped(v, retype) for v in value)
+    return value
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -125,8 +137,12 @@ class Runner(Handler):
     def __init__(self, rank: int, state: RankState, *, dtype: torch.dtype,
                  opt: torch.optim.Optimizer | None = None,
                  device: torch.device = torch.device("cpu"),
-                 zero: dict[int, ZeroShard] | None = None) -> None:
+                 zero: dict[int, ZeroShard] | None = None,
+                 retype: Mapping[torch.dtype, torch.dtype] | None = None) -> None:
         self.rank, self.state, self.dtype, self.opt, self.device = rank, state, dtype, opt, device
+        # the dtypes named in calls (``full(..., dtype=float32)``, ``_to_copy``) that become
+        # another: the plan traced in float32, run in float64 (verification before launch)
+        self.retype = retype or None
         self.zero = zero or {}  # this rank's chunk of each ZeRO-sharded bucket
         self.env: dict[str, Any] = {}
         self.grads: dict[str, torch.Tensor] = {}
@@ -191,6 +207,9 @@ class Runner(Handler):
         env = self.env
         local = [None if v is None else env[v] for v in ins.ins]
         args, kwargs = ins.call.bind(local)
+        if self.retype is not None:
+            args, kwargs = retyped(args, self.retype), {k: retyped(v, self.retype)
+                                                        for k, v in kwargs.items()}
         try:
             out = _call(ins.call.target, args, kwargs)
         except RuntimeError as err:  # name the operator: torch's message does not

@@ -198,12 +198,15 @@ class LiveModel:
 Source = torch.nn.Module | StateFile
 
 
-def init_shards(m: Any, rank: int, source: Source
+def init_shards(m: Any, rank: int, source: Source, *, dtype: torch.dtype | None = None
                 ) -> tuple[dict[tuple[str, Region], torch.Tensor],
                            dict[tuple[str, Region], torch.Tensor]]:
     """This rank's parameter shards (leaves requiring grad) and fixed tensors (buffers,
     constants), keyed by (graph tensor name, region), copied from ``source``: a live seeded
-    model, or a ``StateFile`` of one (only the regions' bytes are read)."""
+    model, or a ``StateFile`` of one (only the regions' bytes are read). Floats are cast to
+    ``dtype`` (the plan's, ``m.dtype``, unless given: verification runs a float32 plan's
+    programs in float64)."""
+    dtype = m.dtype if dtype is None else dtype
     graph = m.transformed.graph
     reader = LiveModel(source) if isinstance(source, torch.nn.Module) else source
     constants = {k: v for k, v in graph.constants.items() if isinstance(v, torch.Tensor)}
@@ -222,7 +225,7 @@ def init_shards(m: Any, rank: int, source: Source
             continue
         # readers return fresh tensors (never views of a model): cast floats to the run's dtype
         # as the model is cast, without a second copy when it is already that dtype
-        value = value.to(dtype=m.dtype) if value.is_floating_point() else value
+        value = value.to(dtype=dtype) if value.is_floating_point() else value
         into[key] = value.requires_grad_(True) if into is leaves else value
     return leaves, fixed
 

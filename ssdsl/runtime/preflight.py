@@ -9,7 +9,10 @@ starts (DESIGN §7). It plans the job as the ranks will, then:
    ``bernoulli``, ...: every operator PyTorch tags ``nondeterministic_seeded``): each rank would
    draw its own numbers, and no single-device run would match;
 3. simulates one training step of all ranks in one process (``simulate_step``) against the plain
-   model on the same batch, in float64 when the model builds and traces in it. A difference
+   model on the same batch, in float64: the very programs the ranks will run (planned in the
+   run's dtype), their floats and the dtypes their calls name run in float64. Where those do
+   not agree, the job is planned again from a float64 trace (the run's dtype when the model does
+   not build or trace in float64), and that plan's verdict stands. A difference
    raises ``TrainsDifferently`` naming the first operator and tensor where the forward values
    part, and the plan statement behind it (exit status 2, before any rank starts).
 
@@ -84,7 +87,7 @@ def verify_before_launch(spec: JobSpec, world: int, *, enabled: bool = True,
     planned (its faults still raise) and the result says verification was skipped.
 
     ``planned``: the job as the launcher already planned it (``ssdsl.runtime.job.launch_files``);
-    it is not planned again, and a float64 one is the one simulated."""
+    it is not planned again: its own programs are the ones simulated, in float64."""
     start = time.perf_counter()
     if not enabled:
         if planned is None:
@@ -92,24 +95,48 @@ def verify_before_launch(spec: JobSpec, world: int, *, enabled: bool = True,
         return Verification("skipped", "skipped by request (--no-verify)")
     mf = load_model_file(spec.model)
     check_batch_deterministic(mf, spec.batch_size)
-    if planned is not None and planned.dtype == torch.float64:
-        m, dtype = planned, "float64"
-    else:
-        m, dtype = _plan_for_verification(spec, world)
+    m = planned if planned is not None else plan_job(spec, world)[1]
     check_batch_shard(mf, spec.batch_size, m)
     refuse_random_operators(m.transformed.graph, mf.path)
-    need, have = simulation_bytes(m), available_memory() if available_bytes is None \
-        else available_bytes
+    need, have = simulation_bytes(m, torch.float64), available_memory() \
+        if available_bytes is None else available_bytes
     if need > have // 2:
         return Verification("not verified", f"the model is too large to simulate in this "
                             f"process: about {need / 2**30:.1f} GiB needed, "
                             f"{have / 2**30:.1f} GiB available", time.perf_counter() - start)
+    # The programs that will run, run here in float64 (a wrong scaling cannot hide in rounding
+    # there): no second plan. Only when they do not agree so (or do not run in float64) is the
+    # job planned again from a float64 trace: a model can compute otherwise in float64 than its
+    # float32 trace says (``torch.finfo(x.dtype).eps`` was traced as float32's), and the
+    # float64 plan locates a difference best. Should that plan agree where the programs that
+    # run did not, those programs are judged in their own dtype: the verdict is always theirs.
+    if m.dtype != torch.float64:
+        try:
+            verdict = simulate_step(m, mf, seed=spec.seed, batch_size=spec.batch_size,
+                                    dtype=torch.float64)
+        except SimulatorCannotRun:
+            verdict = None
+        if verdict is not None and verdict.ok:
+            return _verified(verdict, start, "float64")
+        m64, dtype = _plan_for_verification(spec, world)
+        try:
+            verdict = simulate_step(m64, mf, seed=spec.seed, batch_size=spec.batch_size)
+        except SimulatorCannotRun as why:
+            return Verification("not verified", str(why), time.perf_counter() - start)
+        if not verdict.ok:
+            raise _difference(m64, mf, verdict, seed=spec.seed, batch_size=spec.batch_size)
+        if m64.dtype == m.dtype:
+            return _verified(verdict, start, dtype)
     try:
         verdict = simulate_step(m, mf, seed=spec.seed, batch_size=spec.batch_size)
     except SimulatorCannotRun as why:
         return Verification("not verified", str(why), time.perf_counter() - start)
     if not verdict.ok:
         raise _difference(m, mf, verdict, seed=spec.seed, batch_size=spec.batch_size)
+    return _verified(verdict, start, str(m.dtype).removeprefix("torch."))
+
+
+def _verified(verdict: Any, start: float, dtype: str) -> Verification:
     return Verification("verified", "", time.perf_counter() - start, dtype, verdict.loss,
                         verdict.reference_loss, verdict.max_grad_error)
 
@@ -148,17 +175,19 @@ class SimulatorCannotRun(Exception):
     """The all-ranks simulator does not run this plan (not a fault of the plan)."""
 
 
-def simulate_step(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int | None) -> Any:
+def simulate_step(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int | None,
+                  dtype: torch.dtype | None = None) -> Any:
     """One training step of all ranks simulated in this process against the plain model: a
-    verdict with ``ok``, ``problems``, ``loss``, ``reference_loss``, ``max_grad_error``.
+    verdict with ``ok``, ``problems``, ``loss``, ``reference_loss``, ``max_grad_error``;
+    ``dtype``: run the programs in it rather than ``m.dtype``.
 
     The one call into the simulator (``ssdsl.runtime.verify``), so that verification covers
     whatever plans the simulator covers."""
     from ssdsl.runtime.verify import PlanVerdict, compare_with_model, simulate_plan
     try:
-        sim = simulate_plan(m, mf, seed=seed, batch_size=batch_size)
+        sim = simulate_plan(m, mf, seed=seed, batch_size=batch_size, dtype=dtype)
         problems, ref_loss, worst = compare_with_model(m, mf, sim, seed=seed,
-                                                       batch_size=batch_size)
+                                                       batch_size=batch_size, dtype=dtype)
     except ValueError as exc:  # the simulator's refusal of plans it does not run
         raise SimulatorCannotRun(f"the all-ranks simulator cannot run this plan yet ({exc})") \
             from exc
@@ -183,12 +212,13 @@ def _plan_for_verification(spec: JobSpec, world: int) -> tuple[Materialized, str
     return m, spec.dtype
 
 
-def simulation_bytes(m: Materialized) -> int:
+def simulation_bytes(m: Materialized, dtype: torch.dtype | None = None) -> int:
     """Estimated bytes the simulation holds at its peak: every rank's parameter shards with
     their gradients, every part's outputs (activations) with their gradients, and three copies
-    of the full parameters (the seeded model, the reference and its gradients)."""
+    of the full parameters (the seeded model, the reference and its gradients), in ``dtype``
+    (default: the plan's)."""
     t = m.transformed
-    item = torch.empty((), dtype=m.dtype).element_size()
+    item = torch.empty((), dtype=m.dtype if dtype is None else dtype).element_size()
     g = t.graph
     full = sum(g.tensors[p].numel for p in g.params if p in g.tensors)
     shards = sum(use.region.numel() for key, use in m.sources.items() if key[0] in g.params)

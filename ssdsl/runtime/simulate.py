@@ -53,17 +53,24 @@ class Simulation:
 
 
 def simulate_programs(m: Materialized, programs: Sequence[Program], model: torch.nn.Module,
-                      batch: tuple[torch.Tensor, ...]) -> Simulation:
+                      batch: tuple[torch.Tensor, ...], *, dtype: torch.dtype | None = None
+                      ) -> Simulation:
     """Run ``programs`` (one per rank) on ``batch`` with shards of ``model``, all in this
-    process; the optimizer does not step."""
+    process; the optimizer does not step.
+
+    ``dtype``: the floating dtype to run in, when not the plan's (``m.dtype``): the very
+    programs planned in float32 run in float64, the dtypes their calls name included
+    (``Runner.retype``), so verification needs no second plan."""
+    run = m.dtype if dtype is None else dtype
+    retype = {m.dtype: run} if run != m.dtype else None
     exchange = Exchange(combine)
-    # the step values (``Graph.prologue``) follow the batch, as on the ranks
-    batch = with_step_values(m.transformed.graph, to_dtype(tuple(batch), m.dtype))
+    # the step values (``Graph.prologue``) follow the batch, as on the ranks (floats in ``run``)
+    batch = to_dtype(with_step_values(m.transformed.graph, to_dtype(tuple(batch), run)), run)
     runners = {}
     for p in programs:
-        state = init_state(m, p.rank, model)
-        r = SimRunner(p.rank, state, dtype=m.dtype, exchange=exchange,
-                      zero=zero_shards(p, state.leaves))
+        state = init_state(m, p.rank, model, dtype=run)
+        r = SimRunner(p.rank, state, dtype=run, exchange=exchange,
+                      zero=zero_shards(p, state.leaves), retype=retype)
         r.start(batch)
         runners[p.rank] = r
     run_all({p.rank: walk(p, runners[p.rank]) for p in programs}, exchange)
@@ -91,8 +98,10 @@ def _sharded_grads(runners: Mapping[int, SimRunner],
 
 
 def simulate_model_file(m: Materialized, programs: Sequence[Program], model_file: ModelFile, *,
-                        seed: int = 0, batch_size: int | None = None) -> Simulation:
-    """``simulate_programs`` on the seeded model (in ``m.dtype``) and ``get_batch(0, ...)``."""
-    model = model_file.build(seed=seed).to(m.dtype)
+                        seed: int = 0, batch_size: int | None = None,
+                        dtype: torch.dtype | None = None) -> Simulation:
+    """``simulate_programs`` on the seeded model (in ``dtype``, default ``m.dtype``) and
+    ``get_batch(0, ...)``."""
+    model = model_file.build(seed=seed).to(m.dtype if dtype is None else dtype)
     inputs, target = model_file.get_batch(0, batch_size)
-    return simulate_programs(m, programs, model, (*inputs, target))
+    return simulate_programs(m, programs, model, (*inputs, target), dtype=dtype)

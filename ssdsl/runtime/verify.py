@@ -118,17 +118,19 @@ def _atol(dtype: torch.dtype) -> float:
 
 
 def simulate_plan(m: Materialized, model_file: ModelFile, *, seed: int = 0,
-                  batch_size: int | None = None) -> Simulation:
+                  batch_size: int | None = None, dtype: torch.dtype | None = None
+                  ) -> Simulation:
     """One training step of every rank at once, in this process, without the optimizer step:
     every rank's lowered program (``ssdsl.lower.lower_plan``) walked by ``SimRunner``, the same
     walk the distributed executor makes. Pipelines, micro-batches and recompute included.
 
     Parameters start from the seeded single-device model (``model_file.build(seed=seed)``), in
-    ``m.dtype``; the batch is ``get_batch(0, batch_size)``.
+    ``dtype`` (default ``m.dtype``: a float32 plan's programs can run in float64); the batch is
+    ``get_batch(0, batch_size)``.
     """
     _check_simulable(m)
     return simulate_model_file(m, lower_plan(m).programs, model_file, seed=seed,
-                               batch_size=batch_size)
+                               batch_size=batch_size, dtype=dtype)
 
 
 def _check_simulable(m: Materialized) -> None:
@@ -140,17 +142,23 @@ def _check_simulable(m: Materialized) -> None:
 
 
 def compare_with_model(m: Materialized, model_file: ModelFile, sim: Simulation, *,
-                       seed: int = 0, rtol: float | None = None, batch_size: int | None = None
-                       ) -> tuple[list[str], float, float]:
+                       seed: int = 0, rtol: float | None = None, batch_size: int | None = None,
+                       dtype: torch.dtype | None = None) -> tuple[list[str], float, float]:
     """Problems of ``sim`` (step 0) against the plain model (``run_reference``), the reference
-    loss, and the largest gradient error relative to the largest reference gradient entry."""
+    loss, and the largest gradient error relative to the largest reference gradient entry.
+    ``dtype``: what ``sim`` ran in, when not ``m.dtype`` (``simulate_plan``)."""
+    run = m.dtype if dtype is None else dtype
+    # The tolerance of the precision the model really computes in: a model that casts its
+    # logits to float32 is judged by float32's rounding under a float64 run (finding 6). A plan
+    # run in another dtype than it was traced in cannot tell from its graph (a float32 trace
+    # drops the model's own .float()): the plain model run here tells instead.
+    watch = rtol is None and run != m.dtype
+    ref = run_reference(model_file, steps=1, seed=seed, dtype=run, batch_size=batch_size,
+                        optimizer=OptimizerSpec("sgd"), grad_steps=(0,), watch_precision=watch)
     if rtol is None:
-        # The tolerance of the precision the model really computes in: a model that casts its
-        # logits to float32 is judged by float32's rounding under a float64 run (finding 6).
         from ssdsl.trace.precision import computing_precision
-        rtol = _rtol(computing_precision(m.transformed.graph, m.dtype).dtype)
-    ref = run_reference(model_file, steps=1, seed=seed, dtype=m.dtype, batch_size=batch_size,
-                        optimizer=OptimizerSpec("sgd"), grad_steps=(0,))
+        rtol = _rtol(ref.precision if watch else
+                     computing_precision(m.transformed.graph, m.dtype).dtype)
     ref_loss, ref_grads = ref.losses[0], ref.grads[0]
     g = m.transformed.graph
     scale = max(float(t.abs().max()) for t in ref_grads.values())

@@ -72,3 +72,49 @@ def _eps(dtype: torch.dtype) -> float:
 
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+class PrecisionWatch:
+    """``computing_precision`` read off a running model instead of a traced graph: inside
+    ``with PrecisionWatch(dtype, seeds):`` every operator whose inputs carry the trained values
+    (a tensor of ``seeds``, the parameters and floating inputs, or made from one) passes that on
+    to its outputs, and ``dtype`` becomes the lowest floating precision among them.
+
+    Verification runs a plan traced in float32 in float64: that trace has no trace of the
+    model's own ``.float()`` casts (a no-op on float32), so the plain model, run in float64,
+    tells where it computes in float32.
+    """
+
+    def __init__(self, dtype: torch.dtype, seeds) -> None:
+        from torch.utils.weak import WeakIdKeyDictionary
+        self.dtype = dtype
+        self.carry = WeakIdKeyDictionary()
+        for t in seeds:
+            if isinstance(t, torch.Tensor):
+                self.carry[t] = True
+        self._mode = None
+
+    def __enter__(self) -> "PrecisionWatch":
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+        watch = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if any(isinstance(t, torch.Tensor) and t in watch.carry
+                       for t in tree_leaves((args, kwargs))):
+                    for t in tree_leaves(out):
+                        if isinstance(t, torch.Tensor):
+                            watch.carry[t] = True
+                            if t.is_floating_point() and _eps(t.dtype) > _eps(watch.dtype):
+                                watch.dtype = t.dtype
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
