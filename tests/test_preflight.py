@@ -170,7 +170,23 @@ def test_run_stops_before_launch_with_exit_2(capsys):
 def test_run_reports_verification(capsys):
     code = main(["run", MLP, "dp", "--nproc", "2", "--steps", "1", "--json"])
     captured = capsys.readouterr()
-    assert code == 0 and json.loads(captured.out)["verify"]["status"] == "verified"
+    verify = json.loads(captured.out)["verify"]
+    assert code == 0 and verify["status"] == "verified"
+    assert verify["held_ranks_s"] >= 0.0 and verify["seconds"] > 0.0
     assert "verified before launch" in captured.err
     code = main(["run", MLP, "dp", "--nproc", "2", "--steps", "1", "--no-verify"])
     assert code == 0 and "NOT verified" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_verifies_while_the_ranks_start_and_none_trains_a_wrong_plan(monkeypatch, capsys):
+    """``ssdsl run`` starts the ranks while it verifies; they wait at the gate before their
+    first step. A plan that fails verification (the bias rule undone in the launcher, so its
+    plan adds the bias in every part) exits 2 at its plan line, and no rank took a step."""
+    import ssdsl.ops.matmul as matmul
+    monkeypatch.setattr(matmul, "first_value_part", lambda ann, ranges: True)
+    code = main(["run", GPT, "megatron_tp", "--nproc", "2", "--steps", "2", "--set", "tp=2"])
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    assert "differs from the plain model" in err and "megatron_tp.ssp:" in err
+    assert "step 1/2" not in out and "trained" not in out

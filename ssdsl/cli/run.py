@@ -85,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
     progress = _progress(args, rank)
     with progress:
         # The first line, before torch is imported (which takes seconds on a busy machine).
-        progress.phase("planning and verifying (trace the model, apply and check the plan, "
-                       "simulate one step of all ranks)")
+        progress.phase("planning (trace the model, apply and check the plan)")
         from ssdsl.runtime.job import JobSpec  # the runtime: torch, torch.distributed
         world = _world(args, sets, torchrun=rank is not None)
         first_step = _first_step(args)
@@ -246,12 +245,80 @@ def _train(spec: Any, args: argparse.Namespace, progress: Any, *, world: int,
     # programs are checked here): a bad model file or plan fails now, once, with its
     # location and exit status 2, instead of in N processes after they started; then verify
     # it against the plain model (DESIGN §7), or say that it was not.
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
     with launch_files(spec, world) as planned:
-        verification = _verify(spec, world, args, 0, planned=planned.m)
-        progress.phase(f"starting {world} rank{'s' if world > 1 else ''}")
-        result = launch(rank_main, nproc=world, args=(planned.spec,),
-                        timeout_s=args.timeout, on_event=progress.on_event)[0]
-    return result, verification
+        if args.no_verify:
+            verification = _verify(spec, world, args, 0, planned=planned.m)
+            progress.phase(f"starting {ranks}")
+            result = launch(rank_main, nproc=world, args=(planned.spec,),
+                            timeout_s=args.timeout, on_event=progress.on_event)[0]
+            return result, verification
+        progress.phase(f"starting {ranks} while verifying (they wait for it before training)")
+        return _launch_verifying(spec, planned, world, args, progress)
+
+
+def _launch_verifying(spec: Any, planned: Any, world: int, args: argparse.Namespace,
+                      progress: Any) -> tuple[Any, Any]:
+    """Start the ranks and verify meanwhile, in a thread (``ssdsl.runtime.gate``): the ranks
+    start up (processes, imports, process groups, plans, shards) and wait at the gate, which
+    opens when verification passes. When it fails, no rank has taken a step: they are stopped
+    and its error (at its plan line) is raised. The verification records how long the ranks
+    stood at the gate: what verifying added to the start-up."""
+    import threading
+    import time
+
+    import attrs
+
+    from ssdsl.runtime.gate import Gate
+    from ssdsl.runtime.job import GATE_PHASE, rank_main
+    from ssdsl.runtime.launch import launch
+    from ssdsl.runtime.preflight import verify_before_launch
+    from ssdsl.runtime.progress import Phase
+
+    gate = Gate(Path(planned.spec.graph_file).with_name("gate"))
+    done: dict[str, Any] = {}
+    arrived: dict[int, float] = {}
+
+    def verify() -> None:
+        try:
+            done["verification"] = verify_before_launch(spec, world, planned=planned.m)
+        except BaseException as exc:  # noqa: BLE001 - raised in the launching thread
+            done["error"] = exc
+        done["at"] = time.monotonic()
+        gate.open() if "error" not in done else gate.refuse()
+
+    def on_event(rank: int, event: Any) -> None:
+        if isinstance(event, Phase) and event.name == GATE_PHASE:
+            arrived[rank] = time.monotonic()
+        progress.on_event(rank, event)
+
+    def settle() -> None:  # once verification is done: its line, or its error
+        if "at" not in done or "said" in done:
+            return
+        done["said"] = True
+        if "error" in done:
+            raise done["error"]
+        ready = max(arrived.values()) if len(arrived) == world else done["at"]
+        done["verification"] = attrs.evolve(done["verification"],
+                                            held_ranks_s=max(0.0, done["at"] - ready))
+        sys.stdout.flush()
+        print(done["verification"].line(), file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=verify, name="ssdsl-verify", daemon=True)
+    thread.start()
+    try:
+        result = launch(rank_main, nproc=world, args=(attrs.evolve(planned.spec,
+                                                                    gate_file=str(gate.path)),),
+                        timeout_s=args.timeout, on_event=on_event, poll=settle)[0]
+    except BaseException:
+        # a rank that failed while verification ran: a plan that fails verification is
+        # reported by verification, at its line (the ranks' failure is its consequence)
+        thread.join()
+        settle()
+        raise
+    thread.join()
+    settle()
+    return result, done["verification"]
 
 
 def _verify(spec: Any, world: int, args: argparse.Namespace, rank: int, *,

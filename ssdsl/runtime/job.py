@@ -62,6 +62,9 @@ class JobSpec:
     # the launching process's traced graph, pickled (``launch_files``): the ranks plan from the
     # very graph whose programs the launcher checked, and never trace or build the model
     graph_file: str | None = None
+    # a gate file (``ssdsl.runtime.gate``): the ranks wait there before their first step while
+    # the launcher verifies the job
+    gate_file: str | None = None
 
 
 def plan_job(spec: JobSpec, world: int, *, model_file: Any = None
@@ -82,6 +85,9 @@ def plan_job(spec: JobSpec, world: int, *, model_file: Any = None
     m = plan_from_graph(spec, world, graph)
     return mf, m, model
 
+
+# the phase a rank reports when it stands at the gate (``ssdsl.runtime.gate``)
+GATE_PHASE = "waiting for the verification before launch"
 
 _META_TRACES = 2  # tries of the trace on meta before a rank plans from the real model
 
@@ -231,6 +237,10 @@ def rank_main(spec: JobSpec) -> dict[str, Any] | None:
         metrics = MetricsCollector(rank=ctx.rank, samples_per_step=bs, device=ctx.device,
                                    tokens_per_step=tokens_in(mf.get_batch(start, bs)[0]))
         comm = m.accounting()["total_bytes"]
+        if spec.gate_file is not None:
+            from ssdsl.runtime.gate import Gate
+            report_event(Phase(GATE_PHASE))
+            Gate(spec.gate_file).wait()
         report_event(Phase("training"))
         losses = []
         for step in range(start, spec.steps):

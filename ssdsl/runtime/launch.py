@@ -215,12 +215,15 @@ def launch(worker: Worker, *, nproc: int, args: Sequence[Any] = (),
            kwargs: Mapping[str, Any] | None = None, timeout_s: float | None = None,
            grace_s: float = 3.0, on_event: EventHandler | None = None,
            env: Mapping[str, str] | None = None,
-           dist_timeout_s: float | None = None) -> list[Any]:
+           dist_timeout_s: float | None = None,
+           poll: Callable[[], None] | None = None) -> list[Any]:
     """Run ``worker(*args, **kwargs)`` on ``nproc`` local ranks; their return values in rank order.
 
     ``worker`` is ``"module:function"`` or a picklable callable (a module-level function); args,
     kwargs and the return value must pickle. ``env`` adds variables to the ranks' environment.
     ``dist_timeout_s`` becomes the ranks' default collective timeout (``ssdsl.runtime.dist``).
+    ``poll`` is called in this process between looks at the ranks (first in each): what it
+    raises stops the ranks and is raised here (``ssdsl run`` verifies meanwhile, in a thread).
     Raises ``RankFailed`` when a rank fails and ``JobTimeout`` after ``timeout_s`` seconds.
 
     Example::
@@ -236,7 +239,7 @@ def launch(worker: Worker, *, nproc: int, args: Sequence[Any] = (),
     call = pickle.dumps((worker, tuple(args), dict(kwargs or {})))
     payload = pickle.dumps({"sys_path": list(sys.path), "call": call})
     with tempfile.TemporaryDirectory(prefix="ssdsl-launch-") as tmp:
-        job = _Job(Path(tmp), nproc=nproc, grace_s=grace_s, on_event=on_event)
+        job = _Job(Path(tmp), nproc=nproc, grace_s=grace_s, on_event=on_event, poll=poll)
         (job.dir / "payload.pkl").write_bytes(payload)
         store = _host_store()
         extra = dict(env or {})
@@ -276,8 +279,9 @@ class _Job:
     """The launcher's mutable view of the running ranks (lives only inside ``launch``)."""
 
     def __init__(self, directory: Path, *, nproc: int, grace_s: float,
-                 on_event: EventHandler | None) -> None:
+                 on_event: EventHandler | None, poll: Callable[[], None] | None = None) -> None:
         self.dir = directory
+        self.poll = poll
         self.nproc = nproc
         self.grace_s = grace_s
         self.on_event = on_event
@@ -298,6 +302,8 @@ class _Job:
     def wait(self, timeout_s: float | None) -> list[Any]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            if self.poll is not None:
+                self.poll()
             self.pump_events()
             codes = [p.poll() for p in self.procs]
             if any(c not in (None, 0) for c in codes):

@@ -62,6 +62,9 @@ class Verification:
     loss: float | None = None
     reference_loss: float | None = None
     max_grad_error: float | None = None
+    # under ``ssdsl run``: how long the started ranks stood waiting for this verification before
+    # their first step (``ssdsl.runtime.gate``), i.e. what verifying added to the start-up
+    held_ranks_s: float | None = None
 
     @property
     def verified(self) -> bool:
@@ -70,7 +73,10 @@ class Verification:
     def line(self) -> str:
         """One line for the user."""
         if self.verified:
-            return (f"verified before launch ({self.seconds:.1f} s): one step of all ranks, "
+            took = f"{self.seconds:.1f} s" if self.held_ranks_s is None else \
+                f"{self.seconds:.1f} s while the ranks started, which then waited " \
+                f"{self.held_ranks_s:.2f} s for it"
+            return (f"verified before launch ({took}): one step of all ranks, "
                     f"simulated in {self.dtype}, matches the plain model (loss {self.loss:.6g}, "
                     f"worst gradient error {self.max_grad_error:.2g})")
         return f"NOT verified against the plain model: {self.reason}"
