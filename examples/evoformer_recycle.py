@@ -26,6 +26,7 @@ evo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(evo)
 
 RECYCLES = 3
+N_BLOCKS = 1  # one block per pass keeps the three-fold graph small for gloo tests
 BATCH_SIZE = evo.BATCH_SIZE
 INPUT_DIMS = evo.INPUT_DIMS
 
@@ -34,7 +35,7 @@ class RecyclingEvoformer(nn.Module):
     def __init__(self, recycles: int = RECYCLES) -> None:
         super().__init__()
         self.recycles = recycles
-        self.blocks = nn.ModuleList(evo.EvoformerBlock() for _ in range(evo.N_BLOCKS))
+        self.blocks = nn.ModuleList(evo.EvoformerBlock() for _ in range(N_BLOCKS))
         self.recycle_norm_m = nn.LayerNorm(evo.C_M)
         self.recycle_norm_z = nn.LayerNorm(evo.C_Z)
         self.distogram = nn.Linear(evo.C_Z, evo.BINS)
