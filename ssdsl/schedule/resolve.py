@@ -117,12 +117,14 @@ def _by_calls(t: Transformed, st: Stages) -> dict[str, int]:
     out: dict[str, int] = {}
     for k in range(n_calls):
         idx = [i for i, c in enumerate(calls) if c == k]
-        if not idx or idx != list(range(idx[0], idx[-1] + 1)):
-            first = next((ops[i] for i in range(len(ops)) if calls[i] > k
-                          and i < (idx[-1] if idx else 0)), ops[0])
+        if not idx:
+            raise BadCallsSelector(f"no operator runs in call {k} of '{st.over}' (calls are "
+                                   f"numbered 0..{n_calls - 1})", st.span)
+        if idx != list(range(idx[0], idx[-1] + 1)):
+            other = next(ops[i] for i in range(idx[0], idx[-1]) if calls[i] != k)
             raise StagesNotContiguous(
                 f"call {k} of '{st.over}' is not one stretch of the operator order (operator "
-                f"'{first.name}' of a later call comes inside it)", st.span,
+                f"'{other.name}' of call {calls[ops.index(other)]} comes inside it)", st.span,
                 hint="the calls must run one after another, as the passes of a recycled trunk do")
         if len(idx) < per:
             raise TooManyStages(f"{per} stages per call but call {k} of '{st.over}' has only "
