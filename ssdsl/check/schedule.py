@@ -2,8 +2,9 @@
 
 Rules, in the order they run (later rules assume the earlier ones passed):
 
-1. every unit names an existing stage, micro-batch and pass (``UnknownUnit``) and sits on the
-   device that hosts its stage (``MisplacedUnit``);
+1. every unit names an existing stage, micro-batch and pass (``UnknownUnit``; a backward of a
+   forward-only stage is ``BackwardOfForwardOnly``) and sits on the device that hosts its stage
+   (``MisplacedUnit``);
 2. no unit appears twice (``DuplicateUnit``) and none is missing (``MissingUnit``);
 3. on one device, no unit comes before a unit it depends on (``OrderAgainstData``; the most common
    case, a backward before its own forward, is ``ForwardAfterBackward``);
@@ -56,6 +57,10 @@ class MissingUnit(ScheduleError):
     """Some micro-batches of a stage have no unit for a pass: their gradients would be lost."""
 
 
+class BackwardOfForwardOnly(UnknownUnit):
+    """A backward unit of a stage that has none: the loss differentiates nothing it computes."""
+
+
 class OrderAgainstData(ScheduleError):
     """A unit is ordered before a unit on the same device whose result it needs."""
 
@@ -92,6 +97,12 @@ def _check_unit_known(schedule: Schedule, prog: Program, k: int) -> None:
     if not 0 <= unit.mb < schedule.microbatches:
         raise UnknownUnit(f"unit {unit} names micro-batch {unit.mb}, but there are micro-batches "
                           f"0..{schedule.microbatches - 1}", [span])
+    if unit.kind is not Pass.F and not g.has_backward(unit.stage):
+        raise BackwardOfForwardOnly(
+            f"{describe(unit)}: stage {unit.stage} has no backward, since the loss "
+            "differentiates nothing it computes (its outputs reach the loss only through a "
+            ".detach(), as in the first passes of a recycling model)", [span],
+            hint=f"order only forwards of stage {unit.stage}")
     if unit.kind not in schedule.passes():
         names = ", ".join(p.value for p in schedule.passes())
         raise UnknownUnit(f"unit {unit} runs pass {unit.kind.value}, but this schedule's passes "
@@ -147,7 +158,7 @@ def _check_complete(schedule: Schedule, seen: dict[Unit, Span | None]) -> None:
     errors = ErrorCollector()
     for s in range(schedule.stages.num_stages):
         missing = [(kind, [m for m in range(schedule.microbatches) if Unit(s, kind, m) not in seen])
-                   for kind in schedule.passes()]
+                   for kind in schedule.passes(s)]
         parts = [_missing_text(kind, mbs) for kind, mbs in missing if mbs]
         if parts:
             errors.add(MissingUnit(

@@ -329,18 +329,29 @@ class Microbatch(_Directive):
 @attrs.frozen
 class Stages(_Directive):
     """Group the operators into ``count`` contiguous stages named ``name[0..count]``: balanced by
-    cost when ``selectors`` is empty, else stage i is ``selectors[i]``."""
+    cost when ``selectors`` is empty, else stage i is ``selectors[i]``. With ``over`` (``stages
+    into N over calls of X``), the graph is first cut at the calls of the module(s) X names, and
+    each call's stretch is balanced into N / calls stages: stage ``k * (N / calls) + s`` is stage
+    s of call k."""
 
     kind: ClassVar[str] = "stages"
     name: str
     count: int
     selectors: tuple[Selector, ...]
     span: Span
+    over: Selector | None = None
 
     def __str__(self) -> str:
         if self.selectors:
             return f"stages {', '.join(str(s) for s in self.selectors)} as {self.name}"
-        return f"stages into {self.count} as {self.name}"
+        over = f" over calls of {self.over}" if self.over is not None else ""
+        return f"stages into {self.count}{over} as {self.name}"
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        if self.over is None:  # the plain forms keep the JSON they always had
+            out.pop("over")
+        return out
 
 
 @attrs.frozen

@@ -295,6 +295,7 @@ class Elaborator(Places):
             raise E.DuplicateName(f"stage group '{s.name}' is already declared (at "
                                   f"{first}{_via_text(first)})", s.span)
         try:
+            over = self.sel(s.over, env) if s.over is not None else None
             if s.count is not None:
                 n, sels = self._count(s.count, env, "stages into"), ()
             else:
@@ -304,7 +305,7 @@ class Elaborator(Places):
             self.poisoned.add(s.name)  # `st[i]` later is not an error of its own
             raise
         self.stage_groups[s.name] = (n, s.span.reached_via(self.via))
-        self.emit(D.Stages(s.name, n, sels, s.span))
+        self.emit(D.Stages(s.name, n, sels, s.span, over=over))
 
     def _recompute(self, s: A.Recompute, env: dict) -> None:
         self.emit(D.Recompute(self.sel(s.selector, env), s.span))

@@ -7,6 +7,11 @@ attention mask, a position table) needs none, and neither does the output of a n
 operator (``zeros_like``, ``detach``, comparisons). Planning gradient communication for such a
 tensor would make a rank wait for a gradient that no rank computes.
 
+A tensor that requires a gradient but that the loss does not depend on differentiably (the
+output of a recycling pass before its ``.detach()``: AlphaFold2's first trunk passes) gets
+none either: backward never reaches it, so no rank would send one. ``loss_grad_tensors`` keeps,
+of ``grad_tensors``, those from which the loss is reached through tensors that need a gradient.
+
 The answer is autograd's own: every operator is run once on ``meta`` tensors (no memory, no
 arithmetic) with the parameters requiring grad, and an output needs a gradient exactly when the
 result ``requires_grad``. An operator that cannot run on ``meta`` (a data-dependent shape) falls
@@ -72,6 +77,17 @@ def _grad_tensors(graph: Graph) -> frozenset[str]:
     return frozenset(needs)
 
 
+def loss_grad_tensors(graph: Graph) -> frozenset[str]:
+    """The tensors of ``grad_tensors(graph)`` whose gradient backward computes: the loss, and
+    every input of an operator with an output in this set that needs a gradient."""
+    needs = grad_tensors(graph)
+    reached = {graph.output} & needs
+    for op in reversed(graph.ops):
+        if any(x in reached for x in op.outputs):
+            reached.update(x for x in op.inputs if x in needs)
+    return frozenset(reached)
+
+
 def _run_meta(op: Op, env: dict[str, torch.Tensor]) -> tuple[Any, ...] | None:
     """``op``'s outputs computed on ``meta``, or None when it cannot run there."""
     if any(x not in env for x in op.inputs):
@@ -97,4 +113,4 @@ def _floating(graph: Graph, name: str) -> bool:
     return info is not None and ("float" in info.dtype or "complex" in info.dtype)
 
 
-__all__ = ["grad_tensors"]
+__all__ = ["grad_tensors", "loss_grad_tensors"]

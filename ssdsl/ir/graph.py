@@ -94,6 +94,9 @@ class Op:
     (``"h.0.attn.c_attn"``; ``""`` for the top level). ``args``/``kwargs`` are the call's arguments as
     they appear, with ``TensorRef`` in place of tensors (also inside lists); ``inputs`` lists the
     referenced tensor names in order of appearance (repeats kept), ``outputs`` the produced ones.
+    ``calls`` is the module stack with each module's call number (from 0): a module called
+    several times in one forward (a recycled trunk) gives ``(("blocks.0", 2), ...)`` to the
+    operators of its third call; selectors read it (``stages into n over calls of X``).
     """
 
     name: str
@@ -106,6 +109,7 @@ class Op:
     outputs: tuple[str, ...] = ()
     # How the outputs come back from the ATen call: "one" tensor, or a "list" of them.
     returns: str = "one"
+    calls: tuple[tuple[str, int], ...] = ()
 
     @property
     def kwargs_dict(self) -> dict[str, Any]:

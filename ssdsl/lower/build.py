@@ -266,8 +266,9 @@ class _RankLowering:
     def program(self) -> Program:
         units = next((us for group, us in self.c.units if self.rank in group), ())
         self.split = any(_split_unit(u)[1] in "IW" for u, _ in units)
+        frozen = self.m.schedule.schedule.stages.forward_only if self.m.schedule else frozenset()
         for unit, span in units:
-            self.out.append(Begin(unit, span=span))
+            self.out.append(Begin(unit, span=span, grad=_split_unit(unit)[0] not in frozen))
             stage, pass_, mb = _split_unit(unit)
             if pass_ == "F":
                 self._forward(unit, stage, mb)
@@ -278,6 +279,7 @@ class _RankLowering:
             elif pass_ == "W":
                 self._weight_grad(stage, mb, span)
             self.out.append(End(unit, span=span))
+        self.out = _free_forward_only(self.out, self.made)
         tail = self._anchor()
         self.out.append(WaitSends(span=tail))
         everyone = tuple(range(self.t.world))
@@ -688,6 +690,24 @@ class _RankLowering:
         shapes = tuple(r.local_shape for d, r in ad.consumers if d == self.rank)
         self.out.append(Comm(c.edge, c.mb, True, c.outs, c.ins, shapes, c.dtype, steps,
                              span=c.span))
+
+
+def _free_forward_only(out: list[Any], made: dict[str, list[str]]) -> list[Any]:
+    """A forward-only unit has no backward to free its values: free, at its ``End``, those that
+    no later instruction reads (what it sends on, or a later unit of this rank reads, stays)."""
+    last: dict[str, int] = {}
+    for i, ins in enumerate(out):
+        for v in reads(ins):
+            last[v] = i
+    frozen = {ins.unit for ins in out if isinstance(ins, Begin) and not ins.grad}
+    result: list[Any] = []
+    for i, ins in enumerate(out):
+        if isinstance(ins, End) and ins.unit in frozen:
+            dead = tuple(v for v in made.get(ins.unit, ()) if last.get(v, -1) <= i)
+            if dead:
+                result.append(Free(dead, span=ins.span))
+        result.append(ins)
+    return result
 
 
 def _split_unit(unit: str) -> tuple[int, str, int]:

@@ -89,11 +89,13 @@ def _span() -> Any:
 
 @attrs.frozen
 class Begin:
-    """Start of unit ``unit`` (``'0F1'``: stage 0, forward, micro-batch 1)."""
+    """Start of unit ``unit`` (``'0F1'``: stage 0, forward, micro-batch 1). ``grad`` False: a
+    forward-only unit, run without recording autograd (until its ``End``)."""
 
     kind: ClassVar[str] = "begin"
     unit: str
     span: Span | None = _span()
+    grad: bool = True
 
 
 @attrs.frozen

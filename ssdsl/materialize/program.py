@@ -21,7 +21,7 @@ import torch
 
 from ssdsl.elaborate.directives import Zero
 from ssdsl.errors import SsdslError
-from ssdsl.ir.grad import grad_tensors
+from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.materialize.fanout import gather_fanouts
 from ssdsl.materialize.plan import plan_adapter
@@ -125,7 +125,7 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     producer = g.producer()
     partial = {} if schedule is not None else partial_gradient_replicas(t)
     # no gradient adapter for a tensor that needs no gradient: no rank would send one
-    needs_grad = grad_tensors(g)
+    needs_grad = loss_grad_tensors(g)
     traced = traced_dtype(g)
     edges: dict[tuple[str, str, int], Edge] = {}
     reads: dict[tuple[str, str, int, int, tuple[int, ...]], Part] = {}

@@ -282,6 +282,7 @@ class Stages:
     selectors: tuple[Selector, ...]  # empty when ``count`` is given
     name: str
     span: Span
+    over: Selector | None = None  # ``stages into N over calls of X``: X's calls
 
 
 @attrs.frozen

@@ -107,6 +107,9 @@ class Builder(Transformer):
     def stages_count(self, meta, ch):
         return A.Stages(ch[0], (), str(ch[1]), self._sp(meta))
 
+    def stages_calls(self, meta, ch):
+        return A.Stages(ch[0], (), str(ch[2]), self._sp(meta), over=ch[1])
+
     def stages_sel(self, meta, ch):
         return A.Stages(None, tuple(ch[:-1]), str(ch[-1]), self._sp(meta))
 

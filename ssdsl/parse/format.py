@@ -176,7 +176,8 @@ def simple(s: A.Stmt) -> str:
         return f"microbatch along {s.dim} into {expr(s.count)}"
     if isinstance(s, A.Stages):
         if s.count is not None:
-            return f"stages into {expr(s.count)} as {s.name}"
+            over = f" over calls of {selector(s.over)}" if s.over is not None else ""
+            return f"stages into {expr(s.count)}{over} as {s.name}"
         return f"stages {', '.join(selector(x) for x in s.selectors)} as {s.name}"
     if isinstance(s, A.Recompute):
         return f"recompute {selector(s.selector)}"

@@ -130,6 +130,17 @@ def _spatial(r: Region) -> tuple:
     return (r.shape, r.intervals)
 
 
+def _without_grad(waits: Iterator[Wait]) -> Iterator[Wait]:
+    """``waits`` run step by step under ``torch.no_grad()``."""
+    while True:
+        with torch.no_grad():
+            try:
+                w = next(waits)
+            except StopIteration:
+                return
+        yield w
+
+
 class Runner(Handler):
     """The instruction handlers of one rank; communication goes through ``meet``, ``meet_all``
     and ``post``, which each backend defines."""
@@ -153,6 +164,7 @@ class Runner(Handler):
         self.peak_live = 0
         self._region: tuple[Any, list] | None = None
         self._replay = False
+        self._frozen = False  # inside a forward-only unit
 
     def start(self, batch: tuple[torch.Tensor, ...]) -> None:
         """A new step on the whole batch ``(*inputs, target)``."""
@@ -181,13 +193,20 @@ class Runner(Handler):
         if self._region is not None and ins.kind != "end_recompute":
             self._region[1].append(ins)
             return None
-        return getattr(self, "on_" + ins.kind)(ins)
+        if not self._frozen:
+            return getattr(self, "on_" + ins.kind)(ins)
+        # grad mode is per thread, and the in-process simulator runs every rank's walk in one
+        # thread, switching at each wait: so it is set around each step, not for a whole unit
+        with torch.no_grad():
+            waits = getattr(self, "on_" + ins.kind)(ins)
+        return None if waits is None else _without_grad(waits)
 
     # -- units and values -----------------------------------------------------------------------
     def on_begin(self, ins) -> None:
-        return None
+        self._frozen = not ins.grad  # a forward-only unit: no autograd graph, nothing kept
 
     def on_end(self, ins) -> None:
+        self._frozen = False
         if "F" in ins.unit:
             self.peak_live = max(self.peak_live, len(self.env))
 

@@ -302,6 +302,7 @@ def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: i
         mb = 0
 
         def on_begin(self, ins) -> None:
+            super().on_begin(ins)
             tail = ins.unit.rsplit("F", 1)
             self.mb = int(tail[1]) if len(tail) == 2 and tail[1].isdigit() else 0
 

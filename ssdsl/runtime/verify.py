@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from ssdsl.errors import SsdslError
-from ssdsl.ir.grad import grad_tensors
+from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.lower import lower_plan
 from ssdsl.materialize.program import Materialized, _region
@@ -102,7 +102,7 @@ def edge_problems(m: Materialized, key: EdgeKey, *, seed: int = 0) -> list[str]:
                                                                 atol=_atol(m.dtype))]
     back = edge.adapter.backward
     if back is None:
-        if key[0] in grad_tensors(m.transformed.graph):  # no gradient needed: none planned
+        if key[0] in loss_grad_tensors(m.transformed.graph):  # no gradient needed: none planned
             out.append(f"edge {key}: no backward adapter")
     else:
         out += [f"edge {key} backward: {p}" for p in verify_adapter(back, seed=seed + 1,

@@ -8,6 +8,9 @@ so a test can compare what a plan lowers to against an independent construction.
   Megatron's default).
 - ``interleaved_1f1b``: Megatron's interleaved schedule, device d hosting stages d, d+p, ...
 - ``zb_h1``: 1F1B with split backwards, each weight half deferred to fill the bubble (ZB-H1).
+- ``gpipe_recycle`` and ``three_f_one_b``: a recycling trunk (AlphaFold2) of ``r`` passes, each
+  over every device (``recycle_stages``), only the last with backwards: GPipe (every forward,
+  then every backward) and 3F1B (``stdlib_plans/recycle_1f1b.ssp``).
 """
 
 from __future__ import annotations
@@ -113,3 +116,48 @@ def zb_h1(p: int, m: int) -> Schedule:
         units += [Unit(d, Pass.W, k) for k in range(m - delay, m)]
         progs.append(units)
     return _schedule(StageGraph.chain(range(p)), m, progs, split=True)
+
+
+def recycle_stages(p: int, r: int) -> StageGraph:
+    """``r`` passes of a trunk cut into ``p`` stages: stage ``k * p + d`` is pass k on device d,
+    a chain (pass k + 1 starts from pass k's output), the first ``r - 1`` passes forward-only."""
+    n = p * r
+    return StageGraph([s % p for s in range(n)], [(s, s + 1) for s in range(n - 1)],
+                      range((r - 1) * p))
+
+
+def _recycle_forward(k: int, d: int, p: int, r: int) -> Unit:
+    # micro-batches go through the passes of a device in groups of p (interleaved 1F1B's order)
+    return F(k // p % r * p + d, k // (p * r) * p + k % p)
+
+
+def gpipe_recycle(p: int, m: int, r: int) -> Schedule:
+    """GPipe with recycling: every pass of every micro-batch forward, then the backwards of the
+    last pass. Forwards take the passes in groups of ``p`` micro-batches, so that pass k + 1 of a
+    micro-batch starts on device 0 just as pass k leaves the last device."""
+    if m % p:
+        raise ValueError(f"{m} micro-batches are not a multiple of {p} devices")
+    last = (r - 1) * p
+    progs = [[_recycle_forward(k, d, p, r) for k in range(m * r)]
+             + [B(last + d, i) for i in range(m)] for d in range(p)]
+    return _schedule(recycle_stages(p, r), m, progs)
+
+
+def three_f_one_b(p: int, m: int, r: int) -> Schedule:
+    """3F1B (``r`` = 3): the forwards in ``gpipe_recycle``'s order; after a warm-up, each backward
+    of the last pass is followed by the next ``r`` forwards. Device d warms up with the
+    forwards of the first ``r - 1`` passes of the first group, one of the last pass, and
+    3 (p - d - 1) more: the time, with B = 2F, until its first backward comes back."""
+    if m % p:
+        raise ValueError(f"{m} micro-batches are not a multiple of {p} devices")
+    last, total = (r - 1) * p, m * r
+    progs = []
+    for d in range(p):
+        warm = min((r - 1) * p + 3 * (p - d - 1) + 1, total)
+        units = [_recycle_forward(k, d, p, r) for k in range(warm)]
+        for j in range(m):
+            units.append(B(last + d, j))
+            units += [_recycle_forward(k, d, p, r)
+                      for k in range(min(warm + j * r, total), min(warm + (j + 1) * r, total))]
+        progs.append(units)
+    return _schedule(recycle_stages(p, r), m, progs)

@@ -8,6 +8,9 @@ For micro-batch m (micro-batches never depend on each other; gradients are only 
 - ``W(s, m)`` after ``I(s, m)``: the weight gradients of the layers inside a stage need the output
   gradients that the input-gradient pass computes layer by layer.
 
+A forward-only stage (``StageGraph.forward_only``) has no backward units, and no backward waits
+for it: no gradient flows into it.
+
 A dependency between units on two devices is a message: the producer's device sends, the
 consumer's device receives (``messages``).
 """
@@ -39,7 +42,8 @@ def data_deps(unit: Unit, stages: StageGraph, *, split_backward: bool = False) -
         return tuple(Unit(p, Pass.F, m) for p in stages.preds(s))
     if unit.kind is Pass.W:
         return (Unit(s, Pass.I, m),)
-    return (Unit(s, Pass.F, m),) + tuple(Unit(t, grad, m) for t in stages.succs(s))
+    return (Unit(s, Pass.F, m),) + tuple(Unit(t, grad, m) for t in stages.succs(s)
+                                         if stages.has_backward(t))
 
 
 def required_units(stages: StageGraph, microbatches: int, *,
@@ -47,7 +51,7 @@ def required_units(stages: StageGraph, microbatches: int, *,
     """Every unit a complete schedule must run exactly once."""
     passes = (Pass.F, Pass.I, Pass.W) if split_backward else (Pass.F, Pass.B)
     for s in range(stages.num_stages):
-        for kind in passes:
+        for kind in passes if stages.has_backward(s) else (Pass.F,):
             for m in range(microbatches):
                 yield Unit(s, kind, m)
 

@@ -136,10 +136,12 @@ def _rank_of(groups: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
 
 
 def lower_schedule(directives: Sequence[object], *,
-                   edges: Iterable[tuple[int, int]] | None = None) -> Lowered | None:
+                   edges: Iterable[tuple[int, int]] | None = None,
+                   forward_only: Iterable[int] = ()) -> Lowered | None:
     """The schedule the directives describe, or ``None`` when the plan has no ``stages``.
 
-    ``edges``: the stage DAG from the traced graph (default: a chain, stage i feeds i + 1).
+    ``edges``: the stage DAG from the traced graph (default: a chain, stage i feeds i + 1);
+    ``forward_only``: the stages without backward units (``StageGraph.forward_only``).
     The result is not checked yet: run ``ssdsl.check.check_schedule`` on ``.schedule``.
     """
     st = _stages(directives)
@@ -148,7 +150,8 @@ def lower_schedule(directives: Sequence[object], *,
     groups = _stage_groups(directives, st)
     rank = _rank_of(groups)
     graph = StageGraph([rank[g] for g in groups],
-                       edges if edges is not None else [(i, i + 1) for i in range(st.count - 1)])
+                       edges if edges is not None else [(i, i + 1) for i in range(st.count - 1)],
+                       forward_only)
     mbs = [d.count for d in directives if isinstance(d, Microbatch)]
     m = mbs[-1] if mbs else 1
     seqs, befores = _orders(directives, st, rank)

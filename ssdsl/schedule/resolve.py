@@ -23,7 +23,8 @@ import math
 import attrs
 
 from ssdsl.errors import ErrorCollector
-from ssdsl.elaborate.directives import Assign, Microbatch, Recompute, Stages, StageRef
+from ssdsl.elaborate.directives import Assign, Microbatch, Path, Recompute, Stages, StageRef
+from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.graph import Op
 from ssdsl.ops import Annotation
 from ssdsl.schedule.lower import LowerError, Lowered, SeveralPipelines, lower_schedule
@@ -33,7 +34,7 @@ from ssdsl.source import Span
 from ssdsl.transform.apply import assign_ops, check_placed
 from ssdsl.transform.microbatch import split_microbatches
 from ssdsl.transform.parts import Transformed
-from ssdsl.transform.select import part_prefix, select_ops
+from ssdsl.transform.select import part_prefix, path_matches, select_ops
 
 
 class StagesNotContiguous(LowerError):
@@ -46,6 +47,10 @@ class StagesOverlap(LowerError):
 
 class TooManyStages(LowerError):
     """More stages than operators."""
+
+
+class BadCallsSelector(LowerError):
+    """``stages into N over calls of X``: X is not a module path, or N does not divide."""
 
 
 class BadRecompute(LowerError):
@@ -65,12 +70,78 @@ def stage_map(t: Transformed, st: Stages) -> dict[str, int]:
     names = [op.name for op in t.graph.ops]
     if st.selectors:
         return _by_selectors(t, st)
+    if st.over is not None:
+        return _by_calls(t, st)
     if st.count > len(names):
         raise TooManyStages(f"{st.count} stages but the model has only {len(names)} operators",
                             st.span, hint="ask for fewer stages")
     costs = [op_cost(t, op) for op in t.graph.ops]
     ranges = balance_stages(costs, st.count)
     return {names[i]: s for s, r in enumerate(ranges) for i in r}
+
+
+def call_numbers(t: Transformed, st: Stages) -> list[int]:
+    """For each operator, in graph order, the call of ``st.over``'s module(s) it belongs to.
+
+    An operator inside a call of a module the path names (the outermost module of its stack the
+    path matches) takes that call's number; any other operator takes the number of the next
+    operator that has one (the recycling embedding before a pass joins that pass), and the
+    operators after the last call (the head and the loss) join the last call."""
+    sel = st.over
+    if not isinstance(sel, Path):
+        raise BadCallsSelector(f"'stages ... over calls of {sel}': calls are counted per module, "
+                               "so this must be a module path", st.span,
+                               hint="name the repeated modules by path, e.g. 'over calls of "
+                                    "blocks.*'")
+    select_ops(t.graph, sel, st.span)  # nothing matched: the usual error, with suggestions
+    found: list[int | None] = []
+    for op in t.graph.ops:
+        found.append(next((k for path, k in op.calls if path_matches(sel, path)), None))
+    out, nxt = [0] * len(found), max((k for k in found if k is not None), default=0)
+    for i in range(len(found) - 1, -1, -1):
+        nxt = found[i] if found[i] is not None else nxt
+        out[i] = nxt
+    return out
+
+
+def _by_calls(t: Transformed, st: Stages) -> dict[str, int]:
+    ops = t.graph.ops
+    calls = call_numbers(t, st)
+    n_calls = max(calls) + 1
+    if st.count % n_calls:
+        raise BadCallsSelector(
+            f"'{st}': the modules '{st.over}' are called {n_calls} times in one forward, and "
+            f"{st.count} stages do not divide into {n_calls} equal groups", st.span,
+            hint=f"ask for a multiple of {n_calls} stages ({n_calls} * stages)")
+    per = st.count // n_calls
+    out: dict[str, int] = {}
+    for k in range(n_calls):
+        idx = [i for i, c in enumerate(calls) if c == k]
+        if not idx:
+            raise BadCallsSelector(f"no operator runs in call {k} of '{st.over}' (calls are "
+                                   f"numbered 0..{n_calls - 1})", st.span)
+        if idx != list(range(idx[0], idx[-1] + 1)):
+            other = next(ops[i] for i in range(idx[0], idx[-1]) if calls[i] != k)
+            raise StagesNotContiguous(
+                f"call {k} of '{st.over}' is not one stretch of the operator order (operator "
+                f"'{other.name}' of call {calls[ops.index(other)]} comes inside it)", st.span,
+                hint="the calls must run one after another, as the passes of a recycled trunk do")
+        if len(idx) < per:
+            raise TooManyStages(f"{per} stages per call but call {k} of '{st.over}' has only "
+                                f"{len(idx)} operators", st.span, hint="ask for fewer stages")
+        ranges = balance_stages([op_cost(t, ops[i]) for i in idx], per)
+        for s, r in enumerate(ranges):
+            for j in r:
+                out[ops[idx[j]].name] = k * per + s
+    return out
+
+
+def forward_only_stages(t: Transformed) -> frozenset[int]:
+    """The stages none of whose operators computes something the loss differentiates (a
+    recycling pass before the last: its output reaches the loss only through a detach)."""
+    needs = loss_grad_tensors(t.graph)
+    with_grad = {t.stage(op.name) for op in t.graph.ops if any(x in needs for x in op.outputs)}
+    return frozenset(set(t.stage_of.values()) - with_grad)
 
 
 def _by_selectors(t: Transformed, st: Stages) -> dict[str, int]:
@@ -137,7 +208,8 @@ def resolve_pipeline(t: Transformed) -> tuple[Transformed, Lowered | None]:
         st = found[0]
         stage_of = stage_map(t, st)
         t = attrs.evolve(assign_ops(t, _stage_assigns(t, st, stage_of)), stage_of=stage_of)
-        lowered = lower_schedule(t.deferred, edges=stage_edges(t))
+        lowered = lower_schedule(t.deferred, edges=stage_edges(t),
+                                 forward_only=forward_only_stages(t))
     else:  # orders between operators: the one operator order every device walks
         t = order_operators(t)
     t = attrs.evolve(t, recompute=recompute_ops(t, found[0] if found else None))

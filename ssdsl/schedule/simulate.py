@@ -28,7 +28,7 @@ from collections import defaultdict
 import attrs
 
 from ssdsl.schedule.deps import data_deps
-from ssdsl.schedule.units import Pass, Program, Schedule, Unit
+from ssdsl.schedule.units import Pass, Program, Schedule, StageGraph, Unit
 
 PerStage = float | tuple[float, ...]
 
@@ -107,10 +107,13 @@ class SimResult:
         return self.idle / busy if busy else 0.0
 
 
-def peak_live(program: Program) -> int:
-    """The most forwards whose activations are held at once while ``program`` runs in order."""
+def peak_live(program: Program, stages: StageGraph | None = None) -> int:
+    """The most forwards whose activations are held at once while ``program`` runs in order
+    (a forward of a ``forward_only`` stage keeps none)."""
     live = peak = 0
     for unit in program.units:
+        if unit.kind is Pass.F and stages is not None and not stages.has_backward(unit.stage):
+            continue
         if unit.kind is Pass.F:
             live += 1
             peak = max(peak, live)
@@ -180,5 +183,5 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     events = tuple(tuple(evs) for evs in sim.events)
     makespan = max((evs[-1].end for evs in events if evs), default=0.0)
     busy = tuple(sum(e.end - e.start for e in evs) for evs in events)
-    peaks = tuple(peak_live(p) for p in schedule.programs)
+    peaks = tuple(peak_live(p, schedule.stages) for p in schedule.programs)
     return SimResult(schedule, events, makespan, busy, peaks)

@@ -119,16 +119,24 @@ class StageGraph:
 
     Edges must go forward (``src < dst``): stages are contiguous segments of a traced graph, in
     topological order, so stage 0 may feed stage 2 directly (a skip connection) but never back.
+
+    ``forward_only`` stages have no backward units: nothing they compute is differentiated by
+    the loss (the trunk passes of a recycling model before the last, whose output is detached).
+    They run their forwards without keeping activations; their successors send them nothing back.
     """
 
     devices: tuple[int, ...] = attrs.field(converter=tuple)
     edges: tuple[tuple[int, int], ...] = attrs.field(
         converter=lambda es: tuple(sorted({(int(a), int(b)) for a, b in es})))
+    forward_only: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
     # Adjacency, derived once: schedules ask for it per unit, hundreds of thousands of times.
     _preds: tuple[tuple[int, ...], ...] = attrs.field(init=False, eq=False, repr=False)
     _succs: tuple[tuple[int, ...], ...] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        if any(not 0 <= s < self.num_stages for s in self.forward_only):
+            raise ValueError(f"forward-only stages {sorted(self.forward_only)} must exist "
+                             f"(0..{self.num_stages - 1})")
         for src, dst in self.edges:
             if not 0 <= src < dst < self.num_stages:
                 raise ValueError(f"stage edge {src}->{dst} must go forward between existing stages "
@@ -140,9 +148,13 @@ class StageGraph:
                                                  for s in range(n)))
 
     @classmethod
-    def chain(cls, devices: Sequence[int]) -> StageGraph:
+    def chain(cls, devices: Sequence[int], forward_only: Iterable[int] = ()) -> StageGraph:
         """Stages in a line, ``stage s`` feeding ``s + 1``, stage s on ``devices[s]``."""
-        return cls(devices, _chain(len(devices)))
+        return cls(devices, _chain(len(devices)), forward_only)
+
+    def has_backward(self, stage: int) -> bool:
+        """Whether ``stage`` runs backward units (it is not ``forward_only``)."""
+        return stage not in self.forward_only
 
     @property
     def num_stages(self) -> int:
@@ -184,8 +196,11 @@ class Schedule:
     def num_devices(self) -> int:
         return len(self.programs)
 
-    def passes(self) -> tuple[Pass, ...]:
-        """The passes every stage runs for every micro-batch."""
+    def passes(self, stage: int | None = None) -> tuple[Pass, ...]:
+        """The passes every stage (or ``stage``) runs for every micro-batch: a forward-only
+        stage runs ``F`` alone."""
+        if stage is not None and not self.stages.has_backward(stage):
+            return (Pass.F,)
         return (Pass.F, Pass.I, Pass.W) if self.split_backward else (Pass.F, Pass.B)
 
     def text(self) -> str:

@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from ssdsl.errors import SsdslError
+from ssdsl.ir.grad import grad_tensors, loss_grad_tensors
 from ssdsl.ir.graph import Graph, Op, TensorInfo, TensorRef
 from ssdsl.trace.aligned import align_arange_indices
 from ssdsl.trace.dims import flow_names
@@ -169,11 +170,26 @@ def graph_from_export(ep: torch.export.ExportedProgram,
         elif node.op == "output":
             output = _user_output(ep, node, alias)
     ops = align_arange_indices(ops, tensors)
-    ops = share_parameters(ops, tensors, params, _aliases(model, params))
+    ops = share_parameters(ops, tensors, params, _aliases(model, params),
+                           frozen=_frozen_ops(ops, tensors, params, buffers, inputs, output,
+                                              constants))
     tensors = flow_names(tuple(ops), tensors, seeds or {})
     return Graph(ops=tuple(ops), tensors=tensors, params=params, buffers=buffers,
                  inputs=tuple(inputs), output=output, aliases=_aliases(model, params),
                  constants=constants)
+
+
+def _frozen_ops(ops, tensors, params, buffers, inputs, output, constants) -> frozenset[str]:
+    """Operators with a floating output that the loss does not differentiate (before a
+    ``.detach()``): ``share_parameters`` leaves their parameter reads alone."""
+    if not any(op.kind == "detach" for op in ops):  # the common case: nothing to find
+        return frozenset()
+    g = Graph(ops=tuple(ops), tensors=dict(tensors), params=params, buffers=buffers,
+              inputs=tuple(inputs), output=output, constants=constants)
+    needs, reached = grad_tensors(g), loss_grad_tensors(g)
+    return frozenset(op.name for op in ops
+                     if any(x in needs for x in op.outputs)
+                     and not any(x in reached for x in op.outputs))
 
 
 def _strip(qualname: str) -> str:
@@ -239,7 +255,8 @@ def _convert(node: torch.fx.Node, alias: dict[str, str], tensors: dict[str, Tens
         return None  # no data out (an assertion): nothing to run or place
     target = _target_name(node.target)
     return Op(name=node.name, target=target, kind=_kind(target), module=_module_path(node),
-              args=args, kwargs=kwargs, inputs=tuple(refs), outputs=outputs, returns=returns)
+              args=args, kwargs=kwargs, inputs=tuple(refs), outputs=outputs, returns=returns,
+              calls=_module_calls(node))
 
 
 def _target_name(target: torch._ops.OpOverload) -> str:
@@ -250,6 +267,18 @@ def _target_name(target: torch._ops.OpOverload) -> str:
 def _kind(target: str) -> str:
     name = target.split(".")[1]
     return KIND_NAMES.get(name, name)
+
+
+def _module_calls(node: torch.fx.Node) -> tuple[tuple[str, int], ...]:
+    """The module stack of ``node`` with call numbers: torch.export keys a module's second call
+    ``'L__self__blocks.0@1'`` (its first has no ``@``)."""
+    out = []
+    for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+        head, at, n = str(key).rpartition("@")
+        call = int(n) if at and n.isdigit() else 0
+        if path != "model":
+            out.append((_strip(path), call))
+    return tuple(out)
 
 
 def _module_path(node: torch.fx.Node) -> str:

@@ -14,11 +14,15 @@ each consumer gets its layout through an adapter, and the backward adapters plus
 the consumers' gradient contributions whatever their layouts, exactly as for any activation
 read twice. Under data parallelism the alias is a replica whose partial output gradients end at
 the weight, so the sum still rides in the weight's gradient bucket.
+
+An operator whose outputs the loss does not differentiate (``frozen``: a recycling pass before
+its ``.detach()``) reads the parameter itself and is no use here: it adds no gradient, and an
+alias placed before it would put a gradient-carrying operator into a pass that has no backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 
@@ -28,14 +32,15 @@ SHARE_PREFIX = "share_"
 
 
 def share_parameters(ops: list[Op], tensors: dict[str, TensorInfo], params: dict[str, str],
-                     aliases: Mapping[str, tuple[str, ...]]) -> list[Op]:
+                     aliases: Mapping[str, tuple[str, ...]],
+                     frozen: frozenset[str] = frozenset()) -> list[Op]:
     """``ops`` with every parameter used more than once read through one alias op.
 
     Tied graph tensors (qualified names in ``aliases``) become one: the first one in ``params``
     stays, the others are removed from ``params`` and ``tensors`` (in place).
     """
     groups = _tied_groups(params, aliases)
-    uses = _use_counts(ops)
+    uses = _use_counts(op for op in ops if op.name not in frozen)
     rename: dict[str, str] = {}
     inserts: dict[str, list[Op]] = {}  # the first op reading a group -> alias ops before it
     for main, members in groups.items():
@@ -45,7 +50,8 @@ def share_parameters(ops: list[Op], tensors: dict[str, TensorInfo], params: dict
         tensors[shared] = attrs.evolve(tensors[main], name=shared)
         for t in members:
             rename[t] = shared
-        first = next(op for op in ops if any(t in members for t in op.inputs))
+        first = next(op for op in ops if op.name not in frozen
+                     and any(t in members for t in op.inputs))
         inserts.setdefault(first.name, []).append(Op(
             name=_fresh(f"{SHARE_PREFIX}{main}", {o.name for o in ops}),
             target="aten.alias.default", kind="alias", module=params[main].rpartition(".")[0],
@@ -55,10 +61,13 @@ def share_parameters(ops: list[Op], tensors: dict[str, TensorInfo], params: dict
             tensors.pop(t, None)
     if not rename:
         return ops
+    members_main = {t: ms[0] for ms in groups.values() for t in ms[1:] if t in rename}
     out: list[Op] = []
     for op in ops:
         out += inserts.get(op.name, [])
-        out.append(_renamed(op, rename))
+        # a frozen reader of a tied name reads the kept one (removed names are gone)
+        out.append(_renamed(op, rename if op.name not in frozen else
+                            {t: members_main[t] for t in op.inputs if t in members_main}))
     return out
 
 
@@ -77,7 +86,7 @@ def _tied_groups(params: Mapping[str, str], aliases: Mapping[str, tuple[str, ...
     return groups
 
 
-def _use_counts(ops: list[Op]) -> dict[str, int]:
+def _use_counts(ops: Iterable[Op]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for op in ops:
         for t in op.inputs:
@@ -100,4 +109,4 @@ def _renamed(op: Op, rename: Mapping[str, str]) -> Op:
               args=map_tensor_refs(op.args, sub),
               kwargs=tuple((k, map_tensor_refs(v, sub)) for k, v in op.kwargs),
               inputs=tuple(rename.get(t, t) for t in op.inputs), outputs=op.outputs,
-              returns=op.returns)
+              returns=op.returns, calls=op.calls)

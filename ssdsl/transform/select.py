@@ -61,6 +61,11 @@ def _ops(graph: Graph, sel: Selector, span: Span | None) -> set[str]:
     raise TypeError(f"unknown selector {sel!r}")
 
 
+def path_matches(sel: Path, module: str) -> bool:
+    """Whether the path selector ``sel`` selects the operators called inside ``module``."""
+    return _match(sel.segments, _segments(module))
+
+
 def _segments(module: str) -> tuple[str, ...]:
     return tuple(module.split(".")) if module else ()
 
