@@ -264,6 +264,8 @@ def _launch_verifying(spec: Any, planned: Any, world: int, args: argparse.Namesp
     opens when verification passes. When it fails, no rank has taken a step: they are stopped
     and its error (at its plan line) is raised. The verification records how long the ranks
     stood at the gate: what verifying added to the start-up."""
+    import contextlib
+    import os
     import threading
     import time
 
@@ -280,6 +282,10 @@ def _launch_verifying(spec: Any, planned: Any, world: int, args: argparse.Namesp
     arrived: dict[int, float] = {}
 
     def verify() -> None:
+        # below the ranks' priority (Linux: per thread): on few cores the starting ranks come
+        # first, and verification takes the cycles they leave (at the gate, all of them)
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         try:
             done["verification"] = verify_before_launch(spec, world, planned=planned.m)
         except BaseException as exc:  # noqa: BLE001 - raised in the launching thread
