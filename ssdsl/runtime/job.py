@@ -108,9 +108,10 @@ def plan_for_ranks(spec: JobSpec, world: int) -> tuple[Any, Materialized, bool]:
             graph = trace(mf, device="meta", batch_size=spec.batch_size, model=model)
             break
         except TraceError:
-            # torch.export on meta now and then trips on a constant it lifted ("fake tensor in
-            # exported program constant's list"; one rank of a CI run under load): trace again,
-            # then plan from a real trace, where a real fault recurs
+            # torch.export tripped now and then on a constant it lifted ("fake tensor in
+            # exported program constant's list"): the rank's heartbeat held a frame of the
+            # trace across its sleep (fixed in ``launch._start_heartbeat``). Kept as a guard:
+            # trace again, then plan from a real trace, where a real fault recurs
             continue
     if graph is None:
         return (*plan_job(spec, world)[:2], False)

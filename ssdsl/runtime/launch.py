@@ -568,8 +568,9 @@ def _count_comm_calls() -> None:
         tdist.P2POp = P2POp
 
 
-def _start_heartbeat(directory: Path, rank: int) -> None:
-    """A daemon thread that writes this rank's ``_Beat`` every ``_BEAT_S`` seconds."""
+def _start_heartbeat(directory: Path, rank: int, *, period_s: float = _BEAT_S,
+                     count_comm: bool = True) -> None:
+    """A daemon thread that writes this rank's ``_Beat`` every ``period_s`` seconds."""
     import threading
 
     main = threading.main_thread().ident
@@ -579,8 +580,11 @@ def _start_heartbeat(directory: Path, rank: int) -> None:
         cpu = time.process_time()
         path, tmp = directory / f"rank{rank}.beat", directory / f"rank{rank}.beat.tmp"
         while True:
-            frame = sys._current_frames().get(main)
-            op, where = _inspect_stack(frame)
+            # The main thread's frames are looked at and let go at once: a frame held across
+            # the sleep keeps its locals alive, and a fake tensor of a torch.export trace kept
+            # so turns up as a lifted constant ("fake tensor in the exported program
+            # constant's list"; it failed a rank's trace now and then)
+            op, where = _inspect_stack(sys._current_frames().get(main))
             now, cpu_now = time.time(), time.process_time()
             if op is None:
                 since = None
@@ -598,9 +602,11 @@ def _start_heartbeat(directory: Path, rank: int) -> None:
                 tmp.rename(path)
             except OSError:  # the launcher removed its directory: the job is over
                 return
-            time.sleep(_BEAT_S)
+            time.sleep(period_s)
 
     threading.Thread(target=beat, name="ssdsl-heartbeat", daemon=True).start()
+    if not count_comm:
+        return
     try:  # after the first beat is on its way: importing torch takes a while
         _count_comm_calls()
     except Exception:  # pragma: no cover - a rank without torch.distributed has no waits to watch
