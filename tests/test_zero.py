@@ -32,7 +32,7 @@ from ssdsl.runtime.job import schedule_plan
 from ssdsl.runtime.reference import run_reference, to_dtype
 from ssdsl.runtime.simulate import SimRunner
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
-from ssdsl.runtime.zero import model_state_bytes, optimizer_params, zero_shards
+from ssdsl.runtime.zero import model_state_bytes, optimizer_params, rebuild_weights, zero_shards
 from ssdsl.trace.export import trace
 from ssdsl.trace.model_file import load_model_file
 
@@ -85,6 +85,7 @@ def train_in_process(path: Path, m, programs, *, steps: int, optimizer: Optimize
             r.start(batch)
         run_all({p.rank: walk(p, runners[p.rank]) for p in programs}, exchange)
         losses.append(next(r.loss_total for r in runners.values() if r.loss_total is not None))
+    rebuild_weights({rank: r.zero for rank, r in runners.items()})  # stage 3: weights sharded
     shards = [(graph.params[name], region, t.detach().clone())
               for r in runners.values() for (name, region), t in r.state.leaves.items()]
     held = {rank: model_state_bytes(r.state.leaves, r.zero, opts[rank])

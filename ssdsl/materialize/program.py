@@ -25,8 +25,10 @@ from ssdsl.ir.grad import grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.materialize.fanout import gather_fanouts
 from ssdsl.materialize.plan import plan_adapter
-from ssdsl.materialize.reducer import GradReducer, Weight, ZeroSpec, plan_grad_reducer
+from ssdsl.materialize.reducer import (GradReducer, Weight, ZeroSpec, module_unit,
+                                       plan_grad_reducer)
 from ssdsl.materialize.steps import Adapter
+from ssdsl.transform.errors import UnsupportedDirective
 from ssdsl.transform.parts import Part, Transformed
 from ssdsl.transform.select import select_ops
 
@@ -145,8 +147,9 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     weights, scales = _weights(t, reads, dtype, partial)
     uses = {key: SourceUse(key[0], _region(t, key[0], p.sub.inputs[key[2]]), scales.get(key, 1.0))
             for key, p in reads.items()}
-    return Materialized(t, edges, uses, plan_grad_reducer(weights, zero=zero_specs(t)), dtype,
-                        schedule)
+    reducer = plan_grad_reducer(weights, zero=zero_specs(t), gathers=2 * t.microbatches)
+    _check_zero3(t, reducer, schedule)
+    return Materialized(t, edges, uses, reducer, dtype, schedule)
 
 
 def zero_specs(t: Transformed) -> tuple[ZeroSpec, ...]:
@@ -345,7 +348,7 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
         if len(sizes) == 1:
             for i in range(sizes.pop()):
                 group = tuple((c[i], region) for c in classes.values())
-                weights.append(Weight(name, shape, dtype, group))
+                weights.append(Weight(name, shape, dtype, group, _unit(t, name)))
             # Replicas of one part on one device (co-shard) compute copies of one gradient,
             # and the device's leaf adds them: each counts 1/m of it.
             for key, p in reads.items():
@@ -356,11 +359,43 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
                     if m > 1:
                         scales[key] = 1.0 / m
             continue
-        weights.append(Weight(name, shape, dtype, tuple((d, region) for d in sorted(by_device))))
+        weights.append(Weight(name, shape, dtype, tuple((d, region) for d in sorted(by_device)),
+                              _unit(t, name)))
         for key, p in reads.items():
             if key[0] == name and _region(t, name, p.sub.inputs[key[2]]) == region:
                 scales[key] = 1.0 / _copies(t, p, key[2], partial)
     return weights, scales
+
+
+def _unit(t: Transformed, name: str) -> str:
+    return module_unit(t.graph.params.get(name, name))
+
+
+def _check_zero3(t: Transformed, reducer: GradReducer, schedule: Any) -> None:
+    """Stage 3 gathers a bucket where a unit of work uses it; refused where that cannot be: a
+    split backward (the weight half runs apart from the input half), and a weight read by
+    several pipeline stages (a tied embedding: its gather would wait for a stage that is
+    elsewhere in the schedule)."""
+    for b in reducer.buckets:
+        if b.zero != 3:
+            continue
+        if schedule is not None and any(ch in str(u) for prog in schedule.schedule.programs
+                                        for u in prog.units for ch in "IW"):
+            raise UnsupportedDirective(
+                "zero stage 3 with a split backward (I and W units): the weights would have to "
+                "stay gathered from the input half to the weight half", b.span,
+                hint="use stage 2 with zero-bubble schedules, or a 1F1B schedule with stage 3")
+        names = {n for n, _ in b.entries}
+        stages = {t.stage(op.name) for op in t.graph.ops if names & set(op.inputs)}
+        if len(stages) > 1:
+            shared = sorted(n for n in names if len({t.stage(op.name) for op in t.graph.ops
+                                                     if n in op.inputs}) > 1)
+            qual = [t.graph.params.get(n, n) for n in shared] or sorted(names)
+            raise UnsupportedDirective(
+                f"zero stage 3 over a weight read by several pipeline stages ({qual[0]}): each "
+                "stage would gather it at its own time, and the gathers would wait for each "
+                "other", b.span, hint="leave it out of the zero selector (e.g. `zero h.* over "
+                "... stage 3`), or use stage 2")
 
 
 def _check_one_part_per_device(t: Transformed, schedule: Any = None) -> None:
