@@ -336,12 +336,11 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
     master = 4 if opts.itemsize < 4 else 0  # half precision keeps an fp32 master copy
     p = opts.profile
     memory, optimizer, reducer = {}, {}, {}
-    # ZeRO: a device steps (and keeps optimizer state for) 1/p of a sharded bucket, and under
-    # stage 2 keeps only that chunk's gradient
-    stepped, grads = _zero_shares(m, held)
+    # ZeRO: a device steps (and keeps optimizer state for) 1/p of a sharded bucket, under
+    # stage 2 keeps only that chunk's gradient, under stage 3 only that chunk's weights too
+    stepped, grads, kept = _zero_shares(m, held)
     for d in devices:
-        numel = sum(held[d].values())
-        params = numel * opts.itemsize
+        params = kept[d] * opts.itemsize
         memory[d] = StaticMemory(params, grads[d] * opts.itemsize,
                                  stepped[d] * (4 * states + master))
         # read parameter and gradient, read and write each state, write the parameter
@@ -360,10 +359,12 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
 
 
 def _zero_shares(m: Materialized, held: Mapping[int, Mapping[tuple[str, Region], int]]
-                 ) -> tuple[dict[int, float], dict[int, float]]:
-    """Per device, the elements its optimizer steps and the gradient elements it keeps."""
+                 ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Per device, the elements its optimizer steps, the gradient elements it keeps and the
+    weight elements it keeps between steps."""
     stepped = defaultdict(float, {d: float(sum(h.values())) for d, h in held.items()})
     grads = defaultdict(float, stepped)
+    kept = defaultdict(float, stepped)
     for b in m.reducer.buckets:
         if not b.zero:
             continue
@@ -373,7 +374,9 @@ def _zero_shares(m: Materialized, held: Mapping[int, Mapping[tuple[str, Region],
             stepped[d] -= share
             if b.zero >= 2:
                 grads[d] -= share
-    return stepped, grads
+            if b.zero == 3:
+                kept[d] -= share
+    return stepped, grads, kept
 
 
 def _bucket_time(bucket: Any, n: float, link: Link) -> float:
@@ -383,7 +386,8 @@ def _bucket_time(bucket: Any, n: float, link: Link) -> float:
     if not bucket.zero:
         return all_reduce_time(p, n, link)
     first = reduce_scatter_time(p, n, link) if bucket.zero >= 2 else all_reduce_time(p, n, link)
-    return first + all_gather_time(p, n / p, link)
+    gathers = bucket.gathers if bucket.zero == 3 else 1  # stage 3: before every use
+    return first + gathers * all_gather_time(p, n / p, link)
 
 
 def loss_reduce_time(opts: CostOptions, devices: tuple[int, ...]) -> float:
