@@ -66,8 +66,8 @@ def start_all_gather_into(out: torch.Tensor, x: torch.Tensor, members: Members, 
     of it from member ``m``; ``members`` ascending); the returned work completes it."""
     if list(members) != sorted(members):
         raise ValueError(f"a flat all-gather needs its members ascending, got {members}")
-    return dist.all_gather(list(out.view(len(members), -1).unbind(0)), x,
-                           group=_pg(groups, members), async_op=True)
+    # into one tensor: no copy out of a staging buffer (on gloo a third faster than a list)
+    return dist.all_gather_into_tensor(out, x, group=_pg(groups, members), async_op=True)
 
 
 def start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, members: Members, groups=None):
@@ -75,6 +75,7 @@ def start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, members: Members, g
     ``members`` ascending); the returned work completes it."""
     if list(members) != sorted(members):
         raise ValueError(f"a flat reduce-scatter needs its members ascending, got {members}")
+    # a list of views of ``x`` (no copies); on gloo it measured faster than reduce_scatter_tensor
     return dist.reduce_scatter(out, list(x.view(len(members), -1).unbind(0)),
                                group=_pg(groups, members), async_op=True)
 
