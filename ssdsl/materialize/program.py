@@ -368,34 +368,24 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
 
 
 def _unit(t: Transformed, name: str) -> str:
-    return module_unit(t.graph.params.get(name, name))
+    """A weight's module unit, with the pipeline stage of its reader (a parameter has one
+    reader, ``ssdsl.trace.shared``): so no stage-3 bucket mixes two stages, even where one rank
+    holds several (interleaved schedules), and each is gathered by its own stage's units."""
+    stages = sorted({t.stage(op.name) for op in t.graph.ops if name in op.inputs})
+    return f"{','.join(map(str, stages))}:{module_unit(t.graph.params.get(name, name))}"
 
 
 def _check_zero3(t: Transformed, reducer: GradReducer, schedule: Any) -> None:
-    """Stage 3 gathers a bucket where a unit of work uses it; refused where that cannot be: a
-    split backward (the weight half runs apart from the input half), and a weight read by
-    several pipeline stages (a tied embedding: its gather would wait for a stage that is
-    elsewhere in the schedule)."""
+    """Stage 3 gathers a bucket where a unit of work uses it: refused with a split backward,
+    where the weight half runs apart from the input half."""
     for b in reducer.buckets:
-        if b.zero != 3:
-            continue
-        if schedule is not None and any(ch in str(u) for prog in schedule.schedule.programs
-                                        for u in prog.units for ch in "IW"):
+        if b.zero == 3 and schedule is not None and any(
+                ch in str(u) for prog in schedule.schedule.programs for u in prog.units
+                for ch in "IW"):
             raise UnsupportedDirective(
                 "zero stage 3 with a split backward (I and W units): the weights would have to "
                 "stay gathered from the input half to the weight half", b.span,
                 hint="use stage 2 with zero-bubble schedules, or a 1F1B schedule with stage 3")
-        names = {n for n, _ in b.entries}
-        stages = {t.stage(op.name) for op in t.graph.ops if names & set(op.inputs)}
-        if len(stages) > 1:
-            shared = sorted(n for n in names if len({t.stage(op.name) for op in t.graph.ops
-                                                     if n in op.inputs}) > 1)
-            qual = [t.graph.params.get(n, n) for n in shared] or sorted(names)
-            raise UnsupportedDirective(
-                f"zero stage 3 over a weight read by several pipeline stages ({qual[0]}): each "
-                "stage would gather it at its own time, and the gathers would wait for each "
-                "other", b.span, hint="leave it out of the zero selector (e.g. `zero h.* over "
-                "... stage 3`), or use stage 2")
 
 
 def _check_one_part_per_device(t: Transformed, schedule: Any = None) -> None:
