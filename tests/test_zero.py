@@ -231,12 +231,14 @@ def test_model_state_bytes_follow_the_formula(world):
 
 def test_communication_volume_is_the_formula():
     """Ring algorithms, bytes received by all members together: all-reduce 2 (p-1) S; a
-    reduce-scatter and an all-gather (p-1) S each (S padded to p chunks)."""
+    reduce-scatter and an all-gather (p-1) S each (S padded to p chunks); stage 3 gathers
+    twice, before the forward and before the backward."""
     s = 11472 * 8
     for world in (2, 4):
         want = {1: {"all_reduce": 2 * (world - 1) * s, "all_gather": (world - 1) * s},
-                2: {"reduce_scatter": (world - 1) * s, "all_gather": (world - 1) * s}}
-        for stage in (1, 2):
+                2: {"reduce_scatter": (world - 1) * s, "all_gather": (world - 1) * s},
+                3: {"reduce_scatter": (world - 1) * s, "all_gather": 2 * (world - 1) * s}}
+        for stage in (1, 2, 3):
             m, _ = _lower(MLP, _dp_zero(world, stage))
             got = {k: v["bytes"] for k, v in m.accounting()["gradients"].items()}
             assert got == want[stage], (world, stage, got)
