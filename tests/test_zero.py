@@ -500,11 +500,12 @@ def test_checkpoint_of_sharded_optimizer_state_is_refused_at_the_zero_line():
 @pytest.mark.slow
 @pytest.mark.parametrize("inner, stage, gathers", [("dp_tp(dp=2)", 2, 1),
                                                    ("dp_tp_1f1b(dp=2, pp=2)", 2, 1),
-                                                   ("dp_tp(dp=2)", 3, 2)],
-                         ids=["dp2xtp2", "dp2xpp2", "dp2xtp2-stage3"])
+                                                   ("dp_tp(dp=2)", 3, 2),
+                                                   ("dp_tp_1f1b(dp=2, pp=2)", 3, 2 * 4)],
+                         ids=["dp2xtp2", "dp2xpp2", "dp2xtp2-stage3", "dp2xpp2-stage3"])
 def test_composed_run_check_on_gloo(capsys, tmp_path, inner, stage, gathers):
-    """Stages 2 and 3 composed with Megatron TP, stage 2 with a 1F1B pipeline, on 4 gloo
-    ranks (stage 3 gathers each bucket before its forward and before its backward)."""
+    """Stages 2 and 3 composed with Megatron TP and with a 1F1B pipeline (4 micro-batches), on
+    4 gloo ranks (stage 3 gathers each bucket before every forward and backward unit)."""
     from ssdsl.cli import main
     plan = tmp_path / "composed_zero.ssp"
     plan.write_text(f"plan composed_zero()\nuse {inner}\nzero over devices 0..4 stage {stage}\n")
