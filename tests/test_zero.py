@@ -174,13 +174,14 @@ def test_dp_tp_with_zero_trains_like_one_device(stage):
     _assert_matches_reference(GPT, losses, params, steps=2, optimizer=SGD)
 
 
-def test_dp_tp_with_zero_under_adamw_equals_the_unsharded_plan():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_dp_tp_with_zero_under_adamw_equals_the_unsharded_plan(stage):
     """AdamW turns rounding noise in a gradient that is zero in theory (a key bias under
     softmax) into a full step, so gpt.py under AdamW is compared with the same plan without
     zero (whose sums the in-process exchange adds in the same order): the sharded optimizer
     must give the same update as the whole one."""
     runs = []
-    for extra in ("", "zero over devices 0..4 stage 2\n"):
+    for extra in ("", f"zero over devices 0..4 stage {stage}\n"):
         plan = elaborate_text("plan p()\nuse dp_tp(dp=2)\n" + extra, world=4, file="z.ssp")
         m, progs = _lower(GPT, plan)
         runs.append(train_in_process(GPT, m, progs, steps=2, optimizer=ADAMW))
