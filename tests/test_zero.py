@@ -551,3 +551,36 @@ def test_generated_stage3_code_runs_on_gloo(tmp_path, capsys, monkeypatch):
     assert code == 0 and result["check"]["ok"], result["check"]
     worst = {w["what"]: w["error"] for w in result["check"]["worst"]}
     assert worst["loss"] < 1e-9 and worst["param"] < 1e-9
+
+
+def test_stage3_holds_few_layers_gathered_while_it_runs():
+    """Counted on the running ranks (the buffers with storage after each instruction), not read
+    off the program: of gpt.py's 5 buckets (wte, wpe, h.0, h.1, ln_f) at most 3 are gathered
+    at once: the tied embedding (read first and last), the unit running and the next one
+    prefetched; none after the step."""
+    m, progs = _lower(GPT, _dp_zero(2, 3))
+    mf = load_model_file(str(GPT))
+    model = mf.build(seed=0).to(m.dtype)
+    most: dict[int, int] = {}
+
+    class Counting(SimRunner):
+        def visit(self, ins):
+            waits = super().visit(ins)
+            if waits is not None:
+                yield from waits
+            alive = sum(s.allocated for s in self.zero.values())
+            most[self.rank] = max(most.get(self.rank, 0), alive)
+
+    inputs, target = mf.get_batch(0, None)
+    batch = with_step_values(m.transformed.graph, to_dtype((*inputs, target), m.dtype))
+    exchange = Exchange(combine)
+    runners = {}
+    for p in progs:
+        state = init_state(m, p.rank, model)
+        runners[p.rank] = Counting(p.rank, state, dtype=m.dtype, exchange=exchange,
+                                   zero=zero_shards(p, state.leaves))
+        runners[p.rank].start(batch)
+    run_all({p.rank: walk(p, runners[p.rank]) for p in progs}, exchange)
+    assert len(m.reducer.buckets) == 5
+    assert most == {0: 3, 1: 3}
+    assert all(not s.allocated for r in runners.values() for s in r.zero.values())
