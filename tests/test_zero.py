@@ -482,6 +482,9 @@ def test_cost_model_counts_the_shards():
         m, _ = _lower(MLP, plan, dtype=torch.float32)
         mem = plan_costs(m, opts).memory[0]
         assert (mem.params, mem.grads, mem.optimizer) == (params, grads, state), stage
+        # stage 3 gathers whole buckets for a while: at most layers.1 and layers.2 (4160
+        # elements each) at once, float32
+        assert mem.gathered == (4 * 2 * 4160 if stage == 3 else 0), stage
 
 
 def test_checkpoint_of_sharded_optimizer_state_is_refused_at_the_zero_line():

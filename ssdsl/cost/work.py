@@ -62,6 +62,7 @@ class StaticMemory:
     params: float
     grads: float
     optimizer: float
+    gathered: float = 0.0  # ZeRO-3: the most bytes of whole buckets gathered at once, for a while
 
     @property
     def total(self) -> float:
@@ -339,10 +340,11 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
     # ZeRO: a device steps (and keeps optimizer state for) 1/p of a sharded bucket, under
     # stage 2 keeps only that chunk's gradient, under stage 3 only that chunk's weights too
     stepped, grads, kept = _zero_shares(m, held)
+    gathered = _gathered_peaks(m, devices, opts.itemsize)
     for d in devices:
         params = kept[d] * opts.itemsize
         memory[d] = StaticMemory(params, grads[d] * opts.itemsize,
-                                 stepped[d] * (4 * states + master))
+                                 stepped[d] * (4 * states + master), gathered.get(d, 0.0))
         # read parameter and gradient, read and write each state, write the parameter
         moved = stepped[d] * (3 * opts.itemsize + 8 * states + 2 * master)
         optimizer[d] = len(held[d]) * p.param_overhead * (1 + states) + moved / p.bytes_rate()
@@ -377,6 +379,27 @@ def _zero_shares(m: Materialized, held: Mapping[int, Mapping[tuple[str, Region],
             if b.zero == 3:
                 kept[d] -= share
     return stepped, grads, kept
+
+
+def _gathered_peaks(m: Materialized, devices: tuple[int, ...], itemsize: int
+                    ) -> dict[int, float]:
+    """ZeRO-3: per device, the most bytes of whole (padded) buckets its lowered program keeps
+    gathered at once (between a ``GatherParams`` and its ``FreeParams``)."""
+    buckets = m.reducer.buckets
+    if not any(b.zero == 3 for b in buckets):
+        return {}
+    from ssdsl.lower import lower_rank
+    out: dict[int, float] = {}
+    for d in devices:
+        alive, most = 0.0, 0.0
+        for ins in lower_rank(m, d).instructions:
+            if ins.kind in ("gather_params", "free_params"):
+                b = buckets[ins.bucket]
+                n = b.padded // b.itemsize * itemsize
+                alive += n if ins.kind == "gather_params" else -n
+                most = max(most, alive)
+        out[d] = most
+    return out
 
 
 def _bucket_time(bucket: Any, n: float, link: Link) -> float:
