@@ -168,6 +168,7 @@ def test_dp_tp_with_zero_trains_like_one_device(stage):
                           world=4, file="dp_tp_zero.ssp")
     m, progs = _lower(GPT, plan)
     check_programs(progs, m=m)
+    _gathers_as_accounted(m, progs)
     groups = {ins.group for ins in progs[0].instructions if isinstance(ins, ReduceBucket)}
     assert groups and all(len(g) == 2 for g in groups)
     losses, params, _ = train_in_process(GPT, m, progs, steps=2, optimizer=SGD)
@@ -199,6 +200,7 @@ def test_pipeline_with_zero_trains_like_one_device(stage):
                           f"{stage}\n", world=4, file="pp_zero.ssp")
     m, progs = _lower(GPT, plan)
     check_programs(progs, m=m)
+    _gathers_as_accounted(m, progs)
     losses, params, _ = train_in_process(GPT, m, progs, steps=2, optimizer=SGD)
     _assert_matches_reference(GPT, losses, params, steps=2, optimizer=SGD)
 
@@ -233,12 +235,14 @@ def test_model_state_bytes_follow_the_formula(world):
 def test_communication_volume_is_the_formula():
     """Ring algorithms, bytes received by all members together: all-reduce 2 (p-1) S; a
     reduce-scatter and an all-gather (p-1) S each (S padded to p chunks); stage 3 gathers
-    twice, before the forward and before the backward."""
+    twice, before the forward and before the backward, except the head's bucket (1040
+    elements), kept gathered from the forward into the backward."""
     s = 11472 * 8
     for world in (2, 4):
         want = {1: {"all_reduce": 2 * (world - 1) * s, "all_gather": (world - 1) * s},
                 2: {"reduce_scatter": (world - 1) * s, "all_gather": (world - 1) * s},
-                3: {"reduce_scatter": (world - 1) * s, "all_gather": 2 * (world - 1) * s}}
+                3: {"reduce_scatter": (world - 1) * s,
+                    "all_gather": (world - 1) * (2 * s - 1040 * 8)}}
         for stage in (1, 2, 3):
             m, _ = _lower(MLP, _dp_zero(world, stage))
             got = {k: v["bytes"] for k, v in m.accounting()["gradients"].items()}
@@ -397,9 +401,20 @@ ZERO3_MUTATIONS = {
 }
 
 
+def _gathers_as_accounted(m, progs):
+    """Each stage-3 bucket is gathered by each member's program as often as the plan's
+    communication accounting says (``Bucket.gathers``)."""
+    for i, b in enumerate(m.reducer.buckets):
+        if b.zero == 3:
+            for r in b.devices:
+                n = sum(x.kind == "gather_params" and x.bucket == i for x in progs[r].instructions)
+                assert n == b.gathers, (i, r, n, b.gathers)
+
+
 def test_stage3_programs_gather_layer_by_layer(zero3):
     """The mlp's four module buckets: each gathered before its layer's forward and backward, the
-    next one prefetched, at most two gathered at once; reduce-scattered in backward; nothing
+    next one prefetched, at most two gathered at once; the head's (read last) kept gathered from
+    the forward into the backward that starts with it; reduce-scattered in backward; nothing
     gathered after the step; the text form reads back."""
     m, progs = zero3
     check_programs(progs, m=m)
@@ -414,11 +429,14 @@ def test_stage3_programs_gather_layer_by_layer(zero3):
             elif x.kind == "free_params":
                 alive.discard(x.bucket)
             most = max(most, len(alive))
-        assert most == 2 and not alive and gathers == 2 * 4
+        assert most == 2 and not alive and gathers == 2 * 4 - 1
         tail = [x.kind for x in p.instructions[-3:]]
         assert tail == ["wait_sends", "loss_sum", "step"]
         back = _index(p, "begin", 1)
         assert all(i > back for i, x in enumerate(p.instructions) if x.kind == "reduce")
+        assert [x.bucket for x in p.instructions[back:] if x.kind == "gather_params"] == [2, 1, 0]
+    assert [b.keep for b in m.reducer.buckets] == [False, False, False, True]
+    _gathers_as_accounted(m, progs)
 
 
 @pytest.mark.parametrize("name", sorted(ZERO3_MUTATIONS))
@@ -462,8 +480,9 @@ def test_run_check_on_gloo(capsys, stage, optimizer):
     s = 11472 * 8
     first = "all_reduce" if stage == 1 else "reduce_scatter"
     assert out["communication"]["gradients"][first]["bytes"] == (2 if stage == 1 else 1) * s
-    # stage 3 gathers before the forward and before the backward
-    gathered = (2 if stage == 3 else 1) * s
+    # stage 3 gathers before the forward and before the backward, but the head's bucket (1040
+    # elements, read last) only once
+    gathered = 2 * s - 1040 * 8 if stage == 3 else s
     assert out["communication"]["gradients"]["all_gather"]["bytes"] == gathered
 
 
@@ -502,10 +521,10 @@ def test_checkpoint_of_sharded_optimizer_state_is_refused_at_the_zero_line():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("inner, stage, gathers", [("dp_tp(dp=2)", 2, 1),
-                                                   ("dp_tp_1f1b(dp=2, pp=2)", 2, 1),
-                                                   ("dp_tp(dp=2)", 3, 2),
-                                                   ("dp_tp_1f1b(dp=2, pp=2)", 3, 2 * 4)],
+@pytest.mark.parametrize("inner, stage, gathers", [("dp_tp(dp=2)", 2, (1, 1)),
+                                                   ("dp_tp_1f1b(dp=2, pp=2)", 2, (1, 1)),
+                                                   ("dp_tp(dp=2)", 3, (1, 2)),
+                                                   ("dp_tp_1f1b(dp=2, pp=2)", 3, (8, 8))],
                          ids=["dp2xtp2", "dp2xpp2", "dp2xtp2-stage3", "dp2xpp2-stage3"])
 def test_composed_run_check_on_gloo(capsys, tmp_path, inner, stage, gathers):
     """Stages 2 and 3 composed with Megatron TP and with a 1F1B pipeline (4 micro-batches), on
@@ -521,7 +540,13 @@ def test_composed_run_check_on_gloo(capsys, tmp_path, inner, stage, gathers):
     assert worst["loss"] < 1e-9 and worst["param"] < 1e-9
     grads = out["communication"]["gradients"]
     assert set(grads) == {"reduce_scatter", "all_gather"}
-    assert gathers * grads["reduce_scatter"]["bytes"] == grads["all_gather"]["bytes"]
+    # bytes gathered over bytes reduce-scattered: stage 2 1; stage 3 2 (forward and backward)
+    # less the tied embedding's second gather (kept into the backward), 8 in the pipeline (4
+    # micro-batches; nothing kept: what the last stage's last layer reads, the tied embedding,
+    # is stage 0's)
+    low, high = gathers
+    ratio = grads["all_gather"]["bytes"] / grads["reduce_scatter"]["bytes"]
+    assert low <= ratio <= high and (low < ratio < high or low == high), ratio
 
 
 def test_stage3_with_recompute_trains_like_one_device():

@@ -36,7 +36,9 @@ runs ``F(0, k) B(0, k)`` for every micro-batch) are written out instruction by i
   a new segment (so that backward runs layer by layer) behind ``GatherParams`` (unless already
   prefetched) and ``WaitParams``; the gather of the next bucket in the stage's order is issued
   right after, to overlap with this layer's compute; ``FreeParams`` follows the last
-  instruction of the unit that reads the weights (or a view of them). A backward unit mirrors
+  instruction of the unit that reads the weights (or a view of them), but a bucket marked
+  ``keep`` (what the last layer reads) stays gathered into the unit's own backward when that
+  comes next. A backward unit mirrors
   it: before a segment's ``Backward`` the buckets its autograd reaches are gathered and waited
   for, the next segment's are prefetched, and after the segment where a bucket is used last it
   is freed; in the stage's last backward unit its gradient is reduce-scattered right there
@@ -286,6 +288,8 @@ class _RankLowering:
         self.z3_order: dict[int, list[int]] = {}
         self.last_backward: dict[int, str] = {}
         self.reduced: set[int] = set()
+        self.next_unit: dict[str, str] = {}
+        self.kept: tuple[str, frozenset[int]] = ("", frozenset())  # forward unit, buckets
 
     # -- driver ------------------------------------------------------------------------------
     def program(self) -> Program:
@@ -294,6 +298,7 @@ class _RankLowering:
         for unit, _ in units:
             if _split_unit(unit)[1] == "B":
                 self.last_backward[_split_unit(unit)[0]] = unit
+        self.next_unit = {a: b for (a, _), (b, _) in zip(units, units[1:])}
         for unit, span in units:
             self.out.append(Begin(unit, span=span))
             stage, pass_, mb = _split_unit(unit)
@@ -425,7 +430,7 @@ class _RankLowering:
                     self._adapter(edge, key, unit, mb, part)
         self._close_region()
         if self.z3:
-            self._free_after_last_use(unit_start)
+            self._free_after_last_use(unit, unit_start)
 
     # -- ZeRO stage 3 ------------------------------------------------------------------------------
     def _z3_reads(self, op: Op, part: Part) -> list[int]:
@@ -488,11 +493,17 @@ class _RankLowering:
             for o in outs:
                 self.holds[o] = held
 
-    def _free_after_last_use(self, start: int) -> None:
+    def _free_after_last_use(self, unit: str, start: int) -> None:
         """A ``FreeParams`` after each bucket's last use in this forward unit (after the
-        recomputed region holding it: a region's instructions run again in backward)."""
+        recomputed region holding it: a region's instructions run again in backward), except
+        for the buckets marked ``keep`` when this unit's own backward comes next: they stay
+        gathered into it (``ssdsl.materialize.program``)."""
+        stage, _, mb = _split_unit(unit)
+        keep = frozenset(b for b in self.gathered if self.m.reducer.buckets[b].keep) \
+            if self.next_unit.get(unit) == f"{stage}B{mb}" else frozenset()
+        self.kept = (unit, keep)
         inserts = []
-        for b in sorted(self.gathered):
+        for b in sorted(self.gathered - keep):
             at = self.last_use.get(b)
             pos = next((i for i in range(start, len(self.out)) if self.out[i] is at),
                        len(self.out) - 1)
@@ -764,8 +775,9 @@ class _RankLowering:
         runs = [it for it in reversed(items) if isinstance(it, _Segment)
                 and (it.seeds or it.roots or it.collect)]
         last = {b: k for k, it in enumerate(runs) for b in it.buckets}
-        gathered: set[int] = set()
-        waited: set[int] = set()
+        kept = self.kept[1] if self.kept[0] == forward else frozenset()
+        gathered: set[int] = set(kept)  # still gathered from the forward
+        waited: set[int] = set(kept)
         final = self.last_backward.get(stage) == unit
         for item in reversed(items):
             if isinstance(item, _Segment):

@@ -149,6 +149,7 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
             for key, p in reads.items()}
     reducer = plan_grad_reducer(weights, zero=zero_specs(t), gathers=2 * t.microbatches)
     _check_zero3(t, reducer, schedule)
+    reducer = _keep_over(t, reducer, schedule)
     return Materialized(t, edges, uses, reducer, dtype, schedule)
 
 
@@ -386,6 +387,49 @@ def _check_zero3(t: Transformed, reducer: GradReducer, schedule: Any) -> None:
                 "zero stage 3 with a split backward (I and W units): the weights would have to "
                 "stay gathered from the input half to the weight half", b.span,
                 hint="use stage 2 with zero-bubble schedules, or a 1F1B schedule with stage 3")
+
+
+def _keep_over(t: Transformed, reducer: GradReducer, schedule: Any) -> GradReducer:
+    """Stage 3: the buckets of what a stage's last weight-reading operator reads (directly or
+    through a tied weight's alias, ``ssdsl.trace.shared``: GPT's LM head) stay gathered from the end of a
+    forward into its own backward when that comes next (every micro-batch of a plan without
+    stages, the last stage of 1F1B), as FSDP2 keeps its root module: that backward needs them
+    first, so it saves a gather and no memory. ``gathers`` counts what remains."""
+    if not any(b.zero == 3 for b in reducer.buckets):
+        return reducer
+    g = t.graph
+    reader = {n: op.name for op in g.ops for n in op.inputs if n in g.params}
+    # values made of weights only (the alias of a tied weight, its fan-out copies): the weights
+    # they are; an operator that reads nothing else is not a layer
+    made_of: dict[str, frozenset[str]] = {n: frozenset({n}) for n in g.params}
+    last: dict[int, frozenset[str]] = {}
+    for op in g.ops:
+        read = frozenset().union(*(made_of[n] for n in op.inputs if n in made_of))
+        if op.inputs and all(n in made_of for n in op.inputs):
+            made_of.update((out, read) for out in op.outputs)
+        elif read:
+            last[t.stage(op.name)] = read
+    buckets = []
+    for b in reducer.buckets:
+        if b.zero == 3:
+            stage = t.stage(reader[b.entries[0][0]])
+            adjacent = _backward_next(t, schedule, stage)
+            keep = adjacent > 0 and bool({n for n, _ in b.entries} & last.get(stage, set()))
+            b = attrs.evolve(b, keep=keep, gathers=b.gathers - (adjacent if keep else 0))
+        buckets.append(b)
+    return GradReducer(tuple(buckets))
+
+
+def _backward_next(t: Transformed, schedule: Any, stage: int) -> int:
+    """How many forward units of ``stage`` are followed right away by their own backward."""
+    if schedule is None:
+        return t.microbatches  # F0 B0 F1 B1 ...
+    for prog in schedule.schedule.programs:
+        units = [str(u) for u in prog.units]
+        if any(u.startswith(f"{stage}F") for u in units):
+            return sum(1 for a, b in zip(units, units[1:])
+                       if a.startswith(f"{stage}F") and b == a.replace("F", "B", 1))
+    return 0
 
 
 def _check_one_part_per_device(t: Transformed, schedule: Any = None) -> None:

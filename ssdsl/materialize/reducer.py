@@ -77,7 +77,8 @@ class Bucket:
     itemsize: int = 4
     span: Span | None = attrs.field(default=None, eq=False)
     gathers: int = 2  # stage 3: all-gathers of the bucket per step (forward and backward, per
-    # micro-batch)
+    # micro-batch, less one per forward that keeps it for its backward: ``keep``)
+    keep: bool = False  # stage 3: gathered from the end of a forward into its own backward
 
     @property
     def padded(self) -> int:
