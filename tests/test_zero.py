@@ -501,8 +501,9 @@ def test_cost_model_counts_the_shards():
         m, _ = _lower(MLP, plan, dtype=torch.float32)
         mem = plan_costs(m, opts).memory[0]
         assert (mem.params, mem.grads, mem.optimizer) == (params, grads, state), stage
-        # stage 3 gathers whole buckets for a while: at most layers.1 and layers.2 (4160
-        # elements each) at once, float32
+        # stage 3 gathers whole buckets for a while: a bucket and the next one, at most
+        # layers.1 and layers.2 (4160 elements each), float32 (what the program does:
+        # test_stage3_programs_gather_layer_by_layer)
         assert mem.gathered == (4 * 2 * 4160 if stage == 3 else 0), stage
 
 

@@ -62,7 +62,7 @@ class StaticMemory:
     params: float
     grads: float
     optimizer: float
-    gathered: float = 0.0  # ZeRO-3: the most bytes of whole buckets gathered at once, for a while
+    gathered: float = 0.0  # ZeRO-3: whole buckets gathered at once, for a while (an estimate)
 
     @property
     def total(self) -> float:
@@ -383,22 +383,17 @@ def _zero_shares(m: Materialized, held: Mapping[int, Mapping[tuple[str, Region],
 
 def _gathered_peaks(m: Materialized, devices: tuple[int, ...], itemsize: int
                     ) -> dict[int, float]:
-    """ZeRO-3: per device, the most bytes of whole (padded) buckets its lowered program keeps
-    gathered at once (between a ``GatherParams`` and its ``FreeParams``)."""
-    buckets = m.reducer.buckets
-    if not any(b.zero == 3 for b in buckets):
-        return {}
-    from ssdsl.lower import lower_rank
+    """ZeRO-3: per device, an estimate of the most bytes of whole (padded) buckets gathered at
+    once: a bucket and the next one (prefetched while it computes), its buckets being in the
+    order the forward reads them (``ssdsl.materialize.reducer``). The lowering decides exactly
+    (a tied embedding read first and last stays gathered through the forward, beyond this
+    estimate); this phase comes before it and reads only the buckets."""
     out: dict[int, float] = {}
     for d in devices:
-        alive, most = 0.0, 0.0
-        for ins in lower_rank(m, d).instructions:
-            if ins.kind in ("gather_params", "free_params"):
-                b = buckets[ins.bucket]
-                n = b.padded // b.itemsize * itemsize
-                alive += n if ins.kind == "gather_params" else -n
-                most = max(most, alive)
-        out[d] = most
+        sizes = [b.padded // b.itemsize * itemsize for b in m.reducer.buckets
+                 if b.zero == 3 and d in b.devices]
+        pairs = [x + y for x, y in zip(sizes, sizes[1:])] or sizes
+        out[d] = float(max(pairs, default=0))
     return out
 
 
