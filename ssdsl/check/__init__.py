@@ -22,11 +22,12 @@ __all__ = ["CommModel", "Deadlock", "DuplicateUnit", "ForwardAfterBackward", "Mi
            "MissingUnit", "OrderAgainstData", "ScheduleError", "UnknownUnit", "check_deadlock",
            "check_schedule", "check_structure", "find_stuck"]
 
-from ssdsl.check.program import (BadStepTail, BadUnitStructure, OrderNotFollowed,  # noqa: E402
-                                 RecomputeCommunicates, UndefinedValue, check_programs)
+from ssdsl.check.program import (BadStepTail, BadUnitStructure, GatherNotFreed,  # noqa: E402
+                                 OrderNotFollowed, ParamsNotGathered, RecomputeCommunicates,
+                                 UndefinedValue, check_programs)
 from ssdsl.lower.walk import (CollectiveMismatch, MessageMismatch, ProgramDeadlock,  # noqa: E402
                               ProgramError, UnmatchedSend)
 
-__all__ += ["BadStepTail", "BadUnitStructure", "CollectiveMismatch", "MessageMismatch",
-            "OrderNotFollowed", "ProgramDeadlock", "ProgramError", "RecomputeCommunicates",
+__all__ += ["BadStepTail", "BadUnitStructure", "CollectiveMismatch", "GatherNotFreed",
+            "MessageMismatch", "OrderNotFollowed", "ParamsNotGathered", "ProgramDeadlock", "ProgramError", "RecomputeCommunicates",
             "UndefinedValue", "UnmatchedSend", "check_programs"]

@@ -7,9 +7,16 @@ and buckets they were lowered from):
    backward (or input-gradient unit) after its forward, a weight-gradient unit after its
    input-gradient unit, in the order the plan's ``order`` statements gave; recomputed
    regions close and contain no communication; the step ends with its buckets, the loss sum and
-   one optimizer step, followed only by the all-gather of each ZeRO-sharded bucket.
+   one optimizer step, followed only by the all-gather of each ZeRO-sharded bucket (stages 1
+   and 2; a stage-3 bucket reduce-scatters inside its backward unit and is not gathered after
+   the step).
 2. *Data*: every value an instruction reads was defined earlier on that rank and not freed;
-   a backward ``Comm`` follows its forward.
+   a backward ``Comm`` follows its forward. Under ZeRO stage 3 the weights of a bucket are read
+   only while it is gathered: a ``GatherParams`` and its ``WaitParams`` before, no
+   ``FreeParams`` since; that holds for the calls that read them (or a view of them) in forward
+   and for every call a ``Backward`` reaches through autograd (the tensors it saved are the
+   weights); every gather is freed before the step ends, none twice; a bucket's gradient is
+   reduce-scattered only after the last backward that reaches its weights.
 3. *Communication*: every rank's walk runs in this process with abstract payloads
    (``ssdsl.lower.walk.run_all``): every send meets exactly one receive of the same tag and
    shape, every collective is issued by all members of its group in the same order, and the
@@ -52,9 +59,20 @@ class BadStepTail(ProgramError):
     """The step does not end with its gradient buckets, the loss sum and one optimizer step."""
 
 
-__all__ = ["BadStepTail", "BadUnitStructure", "CollectiveMismatch", "MessageMismatch",
-           "OrderNotFollowed", "ProgramDeadlock", "ProgramError", "RecomputeCommunicates",
-           "UndefinedValue", "UnmatchedSend", "check_programs"]
+class ParamsNotGathered(ProgramError):
+    """ZeRO stage 3: an instruction reads the weights of a bucket that is not gathered there
+    (never gathered, not yet waited for, or already freed)."""
+
+
+class GatherNotFreed(ProgramError):
+    """ZeRO stage 3: a bucket gathered and never freed, gathered again while gathered, or freed
+    or waited for without a gather."""
+
+
+__all__ = ["BadStepTail", "BadUnitStructure", "CollectiveMismatch", "GatherNotFreed",
+           "MessageMismatch", "OrderNotFollowed", "ParamsNotGathered", "ProgramDeadlock",
+           "ProgramError", "RecomputeCommunicates", "UndefinedValue", "UnmatchedSend",
+           "check_programs"]
 
 
 def check_programs(programs: Sequence[Program], *, m: Any = None) -> None:
@@ -66,6 +84,7 @@ def check_programs(programs: Sequence[Program], *, m: Any = None) -> None:
         for p in programs:
             _structure(p, m)
             _data(p)
+            _gathered_params(p)
         _communication(programs)
     except ProgramError as err:
         if err.span is None:
@@ -131,11 +150,14 @@ def _structure(p: Program, m: Any) -> None:
         elif k == "end_recompute":
             region = False
         elif k in ("comm", "backward", "backward_input", "backward_weight", "reduce", "loss_sum",
-                   "step", "wait_sends", "gather") and region:
+                   "step", "wait_sends", "gather", "gather_params", "wait_params",
+                   "free_params") and region:
             raise RecomputeCommunicates(
                 f"{where}: a recomputed region holds a {k} instruction: recomputing it in "
                 "backward would run it twice", _near(p, i),
                 hint="recompute only operators between two communication points")
+        elif k == "reduce" and ins.zero == 3 and open_unit is not None:
+            pass  # stage 3: reduce-scattered in backward, after the bucket's last use
         elif k in ("reduce", "loss_sum", "wait_sends", "step", "gather"):
             if open_unit is not None:
                 raise BadStepTail(f"{where}: {k} inside unit {open_unit}", _near(p, i))
@@ -188,7 +210,7 @@ def _sharded(p: Program) -> None:
     """Each ZeRO-sharded bucket is gathered once after the step, from the group it was reduced
     over; nothing else is gathered (a missing gather leaves the other chunks stale)."""
     reduced = {ins.bucket: (i, ins) for i, ins in enumerate(p.instructions)
-               if ins.kind == "reduce" and ins.zero}
+               if ins.kind == "reduce" and ins.zero in (1, 2)}
     gathered: dict[int, int] = {}
     for i, ins in enumerate(p.instructions):
         if ins.kind != "gather":
@@ -243,6 +265,103 @@ def _data(p: Program) -> None:
             defined.difference_update(ins.values)
 
 
+_LEAVES = frozenset({"cut", "param", "input", "buffer"})
+
+
+def _gathered_params(p: Program) -> None:
+    """ZeRO stage 3: weights are read only while their bucket is gathered (module docstring)."""
+    bucket_of = {e: ins.bucket for ins in p.instructions
+                 if ins.kind == "gather_params" or (ins.kind == "reduce" and ins.zero == 3)
+                 for e in ins.entries}
+    if not bucket_of:
+        return
+    state: dict[int, str] = {}  # bucket -> "in flight" | "ready"; absent: not gathered
+    since: dict[int, int] = {}  # bucket -> where its gather or free stands
+    reduced: dict[int, int] = {}
+    holds: dict[str, frozenset[int]] = {}
+    made_by: dict[str, int] = {}
+    neutral: set[str] = set()
+    where = f"rank {p.rank}"
+
+    def need(buckets, i: int, what: str) -> None:
+        for b in sorted(buckets):
+            if state.get(b) != "ready":
+                why = {"in flight": "its gather was not waited for",
+                       None: "it is not gathered" if b not in since else
+                       f"it was freed at instruction {since[b]}"}[state.get(b)]
+                raise ParamsNotGathered(f"{where}: {what} reads the weights of ZeRO-3 bucket "
+                                        f"{b}, but {why}", _near(p, i),
+                                        hint="GatherParams and WaitParams before the first use "
+                                        "of a bucket, FreeParams after its last")
+            if b in reduced:
+                raise BadStepTail(f"{where}: {what} still adds to the gradient of bucket {b}, "
+                                  f"which was reduce-scattered at instruction {reduced[b]}",
+                                  _near(p, i))
+
+    for i, ins in enumerate(p.instructions):
+        k = ins.kind
+        if k == "gather_params":
+            if ins.bucket in state:
+                raise GatherNotFreed(f"{where} gathers bucket {ins.bucket} again while it is "
+                                     f"gathered (since instruction {since[ins.bucket]})",
+                                     _near(p, i))
+            state[ins.bucket], since[ins.bucket] = "in flight", i
+        elif k == "wait_params":
+            if state.get(ins.bucket) != "in flight":
+                raise GatherNotFreed(f"{where} waits for bucket {ins.bucket}, which no gather "
+                                     "has started", _near(p, i))
+            state[ins.bucket] = "ready"
+        elif k == "free_params":
+            if ins.bucket not in state:
+                raise GatherNotFreed(f"{where} frees bucket {ins.bucket}, which is not gathered",
+                                     _near(p, i))
+            del state[ins.bucket]
+            since[ins.bucket] = i
+        elif k == "reduce" and ins.zero == 3:
+            reduced[ins.bucket] = i
+        elif k == "param" and (ins.tensor, ins.region) in bucket_of:
+            holds[ins.out] = frozenset({bucket_of[(ins.tensor, ins.region)]})
+            need(holds[ins.out], i, f"taking {ins.tensor}")
+        elif k == "buffer":
+            neutral.add(ins.out)
+        elif k == "backward":
+            reach = _reached_calls(p, made_by, ins.seeds + ins.roots)
+            need(frozenset().union(*(holds.get(v, frozenset()) for j in reach
+                                     for v in reads(p.instructions[j]))), i, "a backward")
+        elif k in ("call", "cut", "local", "comm") and not getattr(ins, "backward", False):
+            vs = reads(ins)
+            held = frozenset().union(*(holds.get(v, frozenset()) for v in vs))
+            if held:
+                need(held, i, f"a {k} instruction")
+                if all(v in holds or v in neutral for v in vs):
+                    holds.update((o, held) for o in writes(ins))
+        for v in writes(ins):
+            made_by.setdefault(v, i)
+    for b in sorted(state):
+        raise GatherNotFreed(f"{where} gathers bucket {b} and never frees it",
+                             _near(p, since[b]),
+                             hint="a FreeParams after the bucket's last use in each unit")
+
+
+def _reached_calls(p: Program, made_by: dict[str, int], starts) -> set[int]:
+    """The calls a backward from ``starts`` runs through: their producers, back to the leaves
+    (cuts, takes, received values)."""
+    out: set[int] = set()
+    todo = [v for v in starts if v in made_by]
+    seen: set[str] = set(todo)
+    while todo:
+        j = made_by[todo.pop()]
+        ins = p.instructions[j]
+        if ins.kind in _LEAVES or ins.kind == "comm" or j in out:
+            continue
+        out.add(j)
+        for v in reads(ins):
+            if v in made_by and v not in seen:
+                seen.add(v)
+                todo.append(v)
+    return out
+
+
 # -- 3. communication ----------------------------------------------------------------------------
 
 
@@ -261,6 +380,8 @@ class _Abstract(Handler):
                               ("reduce", ins.bucket, ins.loss))
         if k == "gather":
             return self._meet(Coll("all_gather", ins.group), ins, ("gather", ins.bucket))
+        if k == "gather_params":
+            return self._meet(Coll("all_gather", ins.group), ins, ("gather_params", ins.bucket))
         if k == "loss_sum":
             return self._meet(Coll("all_reduce", ins.group), ins, ("loss",))
         return None

@@ -61,6 +61,8 @@ def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False,
         from rich.console import Console
         console = Console()
         console.print(table)
+        for z in comm["zero"]:
+            console.print(z["text"], highlight=False)
         if verdict is not None:
             _print_verdict(console, verdict)
     return 0 if verdict is None or verdict.ok else 1

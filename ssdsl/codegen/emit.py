@@ -206,6 +206,16 @@ class _Emitter(Handler):
         self._hand(ins, f"all_gather the stepped chunks of {len(ins.entries)} weights over "
                    f"{ins.group}")
 
+    def on_gather_params(self, ins) -> None:
+        self._hand(ins, f"ZeRO-3: start the all_gather of {len(ins.entries)} weights (bucket "
+                   f"{ins.bucket}) over {ins.group}")
+
+    def on_wait_params(self, ins) -> None:
+        self._hand(ins, f"ZeRO-3: wait for the weights of bucket {ins.bucket}")
+
+    def on_free_params(self, ins) -> None:
+        self._hand(ins, f"ZeRO-3: free the gathered weights of bucket {ins.bucket}")
+
     def on_loss_sum(self, ins) -> None:
         self._hand(ins, "the step's loss: all_reduce over every rank")
 

@@ -233,8 +233,9 @@ def _device_report(costs: PlanCosts, schedule: Schedule, groups, intervals, d: i
         if dev == d:
             flops += c.flops * schedule.microbatches
     timeline.append((makespan, static.total))
-    return DeviceReport(d, compute, comm, static, peak_act, static.total + peak_act,
-                        tuple(timeline), flops)
+    # ZeRO-3's gathered buckets are counted at the activations' peak (an upper bound)
+    return DeviceReport(d, compute, comm, static, peak_act,
+                        static.total + static.gathered + peak_act, tuple(timeline), flops)
 
 
 def _received(delays, stage: int, d: int, schedule: Schedule, *, fwd: bool) -> float:

@@ -62,6 +62,7 @@ class StaticMemory:
     params: float
     grads: float
     optimizer: float
+    gathered: float = 0.0  # ZeRO-3: whole buckets gathered at once, for a while (an estimate)
 
     @property
     def total(self) -> float:
@@ -336,14 +337,14 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
     master = 4 if opts.itemsize < 4 else 0  # half precision keeps an fp32 master copy
     p = opts.profile
     memory, optimizer, reducer = {}, {}, {}
-    # ZeRO: a device steps (and keeps optimizer state for) 1/p of a sharded bucket, and under
-    # stage 2 keeps only that chunk's gradient
-    stepped, grads = _zero_shares(m, held)
+    # ZeRO: a device steps (and keeps optimizer state for) 1/p of a sharded bucket, under
+    # stage 2 keeps only that chunk's gradient, under stage 3 only that chunk's weights too
+    stepped, grads, kept = _zero_shares(m, held)
+    gathered = _gathered_peaks(m, devices, opts.itemsize)
     for d in devices:
-        numel = sum(held[d].values())
-        params = numel * opts.itemsize
+        params = kept[d] * opts.itemsize
         memory[d] = StaticMemory(params, grads[d] * opts.itemsize,
-                                 stepped[d] * (4 * states + master))
+                                 stepped[d] * (4 * states + master), gathered.get(d, 0.0))
         # read parameter and gradient, read and write each state, write the parameter
         moved = stepped[d] * (3 * opts.itemsize + 8 * states + 2 * master)
         optimizer[d] = len(held[d]) * p.param_overhead * (1 + states) + moved / p.bytes_rate()
@@ -360,10 +361,12 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
 
 
 def _zero_shares(m: Materialized, held: Mapping[int, Mapping[tuple[str, Region], int]]
-                 ) -> tuple[dict[int, float], dict[int, float]]:
-    """Per device, the elements its optimizer steps and the gradient elements it keeps."""
+                 ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Per device, the elements its optimizer steps, the gradient elements it keeps and the
+    weight elements it keeps between steps."""
     stepped = defaultdict(float, {d: float(sum(h.values())) for d, h in held.items()})
     grads = defaultdict(float, stepped)
+    kept = defaultdict(float, stepped)
     for b in m.reducer.buckets:
         if not b.zero:
             continue
@@ -373,7 +376,25 @@ def _zero_shares(m: Materialized, held: Mapping[int, Mapping[tuple[str, Region],
             stepped[d] -= share
             if b.zero >= 2:
                 grads[d] -= share
-    return stepped, grads
+            if b.zero == 3:
+                kept[d] -= share
+    return stepped, grads, kept
+
+
+def _gathered_peaks(m: Materialized, devices: tuple[int, ...], itemsize: int
+                    ) -> dict[int, float]:
+    """ZeRO-3: per device, an estimate of the most bytes of whole (padded) buckets gathered at
+    once: a bucket and the next one (prefetched while it computes), its buckets being in the
+    order the forward reads them (``ssdsl.materialize.reducer``). The lowering decides exactly
+    (a tied embedding read first and last stays gathered through the forward, beyond this
+    estimate); this phase comes before it and reads only the buckets."""
+    out: dict[int, float] = {}
+    for d in devices:
+        sizes = [b.padded // b.itemsize * itemsize for b in m.reducer.buckets
+                 if b.zero == 3 and d in b.devices]
+        pairs = [x + y for x, y in zip(sizes, sizes[1:])] or sizes
+        out[d] = float(max(pairs, default=0))
+    return out
 
 
 def _bucket_time(bucket: Any, n: float, link: Link) -> float:
@@ -383,7 +404,8 @@ def _bucket_time(bucket: Any, n: float, link: Link) -> float:
     if not bucket.zero:
         return all_reduce_time(p, n, link)
     first = reduce_scatter_time(p, n, link) if bucket.zero >= 2 else all_reduce_time(p, n, link)
-    return first + all_gather_time(p, n / p, link)
+    gathers = bucket.gathers if bucket.zero == 3 else 1  # stage 3: before every use
+    return first + gathers * all_gather_time(p, n / p, link)
 
 
 def loss_reduce_time(opts: CostOptions, devices: tuple[int, ...]) -> float:

@@ -29,8 +29,20 @@ runs ``F(0, k) B(0, k)`` for every micro-batch) are written out instruction by i
   one part only, so one part's activations are alive at a time (``_RankLowering._steps``).
 - after the units: ``WaitSends``, the weight-gradient buckets this rank is in, ``LossSum`` (unless
   the step's loss rides in the last bucket of all ranks), and
-  ``OptimizerStep``; then a ``GatherBucket`` per ZeRO-sharded bucket (``zero``), which rebuilds
-  the weights from the chunks each member stepped.
+  ``OptimizerStep``; then a ``GatherBucket`` per ZeRO-sharded bucket (``zero``) of stage 1 or 2,
+  which rebuilds the weights from the chunks each member stepped.
+- ZeRO stage 3 buckets (one per module unit, ``ssdsl.materialize.reducer``) live gathered only
+  around their uses. In a forward unit, the first operator that reads a bucket's weights starts
+  a new segment (so that backward runs layer by layer) behind ``GatherParams`` (unless already
+  prefetched) and ``WaitParams``; the gather of the next bucket in the stage's order is issued
+  right after, to overlap with this layer's compute; ``FreeParams`` follows the last
+  instruction of the unit that reads the weights (or a view of them), but a bucket marked
+  ``keep`` (what the last layer reads) stays gathered into the unit's own backward when that
+  comes next. A backward unit mirrors
+  it: before a segment's ``Backward`` the buckets its autograd reaches are gathered and waited
+  for, the next segment's are prefetched, and after the segment where a bucket is used last it
+  is freed; in the stage's last backward unit its gradient is reduce-scattered right there
+  (``ReduceBucket``, stage 3). With micro-batches every unit gathers again (gather per use).
 
 Message tags are unique per (edge, micro-batch, direction, message), so messages in flight at
 the same time never match each other's receives.
@@ -47,8 +59,9 @@ import torch
 from ssdsl.ir.graph import Op
 from ssdsl.ir.region import Region
 from ssdsl.lower.instr import (Backward, BackwardInput, BackwardWeight, Begin, Call, Coll, Comm,
-                               Cut, End, Free, GatherBucket, LocalAdapter, LocalStep, LossSum,
-                               Msg, OptimizerStep, P2P, Program,
+                               Cut, End, Free, FreeParams, GatherBucket, GatherParams,
+                               LocalAdapter, LocalStep, LossSum, Msg, OptimizerStep, P2P, Program,
+                               WaitParams,
                                RecomputeBegin, RecomputeEnd, ReduceBucket, TakeBuffer, TakeInput,
                                TakeParam, WaitSends, moves, reads, writes)
 from ssdsl.materialize.program import Edge, Materialized
@@ -231,6 +244,7 @@ class _Segment:
     collect: list[tuple[str, str]] = attrs.Factory(list)
     span: Span | None = None
     inputs: list[str] = attrs.Factory(list)  # received leaves it reads (split backward)
+    buckets: set[int] = attrs.Factory(set)  # ZeRO-3 buckets whose weights its calls read
     mixes: list[tuple[tuple[str, ...], tuple[tuple[str, str], ...]]] = attrs.Factory(list)
 
 
@@ -261,12 +275,31 @@ class _RankLowering:
         self.n_weight_cuts = 0
         self.region_chunk: int | None = None
         self.n_regions = 0
+        # ZeRO stage 3: this rank's (weight, region) -> bucket; values that are the bucket's
+        # weights or made from them (and buffers) only; per forward unit, what is gathered
+        buckets = self.m.reducer.buckets
+        self.z3 = {e: i for i, b in enumerate(buckets) if b.zero == 3 and rank in b.devices
+                   for e in b.entries}
+        self.holds: dict[str, frozenset[int]] = {}
+        self.neutral: set[str] = set()
+        self.last_use: dict[int, Any] = {}
+        self.started: set[int] = set()
+        self.gathered: set[int] = set()
+        self.z3_order: dict[int, list[int]] = {}
+        self.last_backward: dict[int, str] = {}
+        self.reduced: set[int] = set()
+        self.next_unit: dict[str, str] = {}
+        self.kept: tuple[str, frozenset[int]] = ("", frozenset())  # forward unit, buckets
 
     # -- driver ------------------------------------------------------------------------------
     def program(self) -> Program:
         units = next((us for group, us in self.c.units if self.rank in group), ())
         self.split = any(_split_unit(u)[1] in "IW" for u, _ in units)
         frozen = self.m.schedule.schedule.stages.forward_only if self.m.schedule else frozenset()
+        for unit, _ in units:
+            if _split_unit(unit)[1] == "B":
+                self.last_backward[_split_unit(unit)[0]] = unit
+        self.next_unit = {a: b for (a, _), (b, _) in zip(units, units[1:])}
         for unit, span in units:
             self.out.append(Begin(unit, span=span, grad=_split_unit(unit)[0] not in frozen))
             stage, pass_, mb = _split_unit(unit)
@@ -289,7 +322,7 @@ class _RankLowering:
         carrier = max((i for i, b in enumerate(buckets)
                        if tuple(b.devices) == everyone and b.zero < 2), default=None)
         for i, b in enumerate(buckets):
-            if self.rank in b.devices:
+            if self.rank in b.devices and i not in self.reduced:
                 self.out.append(ReduceBucket(i, tuple(b.devices), tuple(b.entries),
                                              span=b.span or self._weight_span(b.entries),
                                              loss=i == carrier, zero=b.zero))
@@ -297,7 +330,7 @@ class _RankLowering:
             self.out.append(LossSum(everyone, span=tail))
         self.out.append(OptimizerStep(span=tail))
         for i, b in enumerate(buckets):
-            if self.rank in b.devices and b.zero:
+            if self.rank in b.devices and b.zero in (1, 2):
                 self.out.append(GatherBucket(i, tuple(b.devices), tuple(b.entries), span=b.span))
         return Program(self.rank, self.t.world, tuple(_fill_recompute(self.out)))
 
@@ -357,6 +390,8 @@ class _RankLowering:
                 self.region_start += 1
             else:
                 self.out.append(ins)
+            if self.z3:
+                self._flow((value,), (cut,), ins)
             self.leaves.add(cut)
             self.made[unit].append(cut)
             self.seg.collect.append((cut, value))
@@ -373,9 +408,15 @@ class _RankLowering:
         self.made[unit] = []
         self.edge_outs: dict[tuple, tuple[str, ...] | None] = {}
         self._new_segment(unit, None)
+        unit_start = len(self.out)
+        self.last_use, self.started, self.gathered = {}, set(), set()
         for op, part, chunk, last in self._steps(stage):
             if part is None or op.name not in self.c.recompute or chunk != self.region_chunk:
                 self._close_region()  # before this op's inputs: they belong outside
+            if self.z3 and part is not None:
+                new = [b for b in self._z3_reads(op, part) if b not in self.started]
+                if new:
+                    self._open_buckets(new, unit, stage)
             self.seg.span = self.seg.span or (part.span if part is not None else None)
             local = [self._input(op, slot, name, part, unit, stage, mb)
                      for slot, name in enumerate(op.inputs)]
@@ -390,6 +431,93 @@ class _RankLowering:
                 if self.rank in edge.adapter.devices and not self._at_consumer(key):
                     self._adapter(edge, key, unit, mb, part)
         self._close_region()
+        if self.z3:
+            self._free_after_last_use(unit, unit_start)
+
+    # -- ZeRO stage 3 ------------------------------------------------------------------------------
+    def _z3_reads(self, op: Op, part: Part) -> list[int]:
+        """The stage-3 buckets whose weights ``part`` of ``op`` reads, in slot order."""
+        out: list[int] = []
+        for slot, name in enumerate(op.inputs):
+            if name not in self.graph.params or part.sub.inputs[slot] is None:
+                continue
+            use = self.m.sources.get((name, op.name, slot, self.rank, part.index))
+            b = self.z3.get((name, use.region)) if use is not None else None
+            if b is not None and b not in out:
+                out.append(b)
+        return out
+
+    def _bucket_order(self, stage: int) -> list[int]:
+        """The stage-3 buckets in the order stage ``stage``'s forward first reads them here."""
+        if stage not in self.z3_order:
+            order: list[int] = []
+            for op, part, _, _ in self._steps(stage):
+                if part is not None:
+                    order += [b for b in self._z3_reads(op, part) if b not in order]
+            self.z3_order[stage] = order
+        return self.z3_order[stage]
+
+    def _gather(self, b: int, gathered: set[int]) -> None:
+        bucket = self.m.reducer.buckets[b]
+        self.out.append(GatherParams(b, tuple(bucket.devices), tuple(bucket.entries),
+                                     span=bucket.span))
+        gathered.add(b)
+
+    def _open_buckets(self, new: list[int], unit: str, stage: int) -> None:
+        """The first reader of buckets ``new`` in this forward unit: a new segment (backward
+        runs layer by layer), their gathers unless prefetched, and the next bucket's prefetch."""
+        self._new_segment(unit, None)
+        for b in new:
+            if b not in self.gathered:
+                self._gather(b, self.gathered)
+            self.out.append(WaitParams(b, span=self.m.reducer.buckets[b].span))
+            self.started.add(b)
+        order = self._bucket_order(stage)
+        after = max(order.index(b) for b in new)
+        nxt = next((b for b in order[after + 1:] if b not in self.started), None)
+        if nxt is not None and nxt not in self.gathered:
+            self._gather(nxt, self.gathered)
+
+    def _used(self, buckets: frozenset[int], ins: Any) -> None:
+        self.seg.buckets |= buckets
+        for b in buckets:
+            self.last_use[b] = ins
+
+    def _flow(self, ins: Sequence[str | None], outs: Sequence[str], at: Any) -> None:
+        """Instruction ``at`` reads ``ins``: a use of the buckets they hold; its outputs hold
+        them too when it reads nothing else (a view or a cast of a weight is a weight)."""
+        vs = [v for v in ins if v is not None]
+        held = frozenset().union(*(self.holds.get(v, frozenset()) for v in vs))
+        if not held:
+            return
+        self._used(held, at)
+        if all(v in self.holds or v in self.neutral for v in vs):
+            for o in outs:
+                self.holds[o] = held
+
+    def _free_after_last_use(self, unit: str, start: int) -> None:
+        """A ``FreeParams`` after each bucket's last use in this forward unit (after the
+        recomputed region holding it: a region's instructions run again in backward), except
+        for the buckets marked ``keep`` when this unit's own backward comes next: they stay
+        gathered into it (``ssdsl.materialize.program``)."""
+        stage, _, mb = _split_unit(unit)
+        keep = frozenset(b for b in self.gathered if self.m.reducer.buckets[b].keep) \
+            if self.next_unit.get(unit) == f"{stage}B{mb}" else frozenset()
+        self.kept = (unit, keep)
+        inserts = []
+        for b in sorted(self.gathered - keep):
+            at = self.last_use.get(b)
+            pos = next((i for i in range(start, len(self.out)) if self.out[i] is at),
+                       len(self.out) - 1)
+            inside = False
+            for i in range(start, pos + 1):
+                kind = self.out[i].kind
+                inside = (inside or kind == "recompute") and kind != "end_recompute"
+            while inside and self.out[pos].kind != "end_recompute":
+                pos += 1
+            inserts.append((pos + 1, b))
+        for pos, b in sorted(inserts, reverse=True):
+            self.out.insert(pos, FreeParams(b, span=self.m.reducer.buckets[b].span))
 
     def _steps(self, stage: int):
         """``(op, part, chunk, last)`` in the order this rank runs stage ``stage``'s operators:
@@ -490,8 +618,13 @@ class _RankLowering:
         elif name in g.params:
             ins = TakeParam(value, name, use.region, use.scale, span=span)
             self.weight_dep.add(value)
+            b = self.z3.get((name, use.region))
+            if b is not None:
+                self.holds[value] = frozenset({b})
+                self._used(self.holds[value], ins)
         else:
             ins = TakeBuffer(value, name, use.region, span=span)
+            self.neutral.add(value)
         self.out.append(ins)
         self.takes[key] = value
         self._define(value, unit)
@@ -526,6 +659,8 @@ class _RankLowering:
                 return None  # nothing leaves this rank and nothing arrives
             ins = tuple(self._use(v, unit) for v in produced) if is_producer else ()
             self.out.append(LocalAdapter(eid, ins, outs, fwd, back, span=span))
+            if self.z3:
+                self._flow(ins, outs, self.out[-1])
             for o in outs:
                 self._define(o, unit)
             self._sides(ins, outs)
@@ -543,6 +678,8 @@ class _RankLowering:
         comm = Comm(eid, mb, False, ins, outs, shapes, dtype, fwd, grad=_has_grad(ad), span=span)
         self._close_region()
         self.out.append(comm)
+        if self.z3:
+            self._flow(ins, (), comm)
         for v in ins if _has_grad(ad) else ():
             src = self.defined_in[v]
             if v not in src.roots:
@@ -587,6 +724,8 @@ class _RankLowering:
                              span=part.span or part.assigned_at))
         for o in outs:
             self._define(o, unit)
+        if self.z3:
+            self._flow(ins, outs, self.out[-1])
         if is_loss:
             self.seg.seeds.append(outs[op.outputs.index(self.graph.output)])
 
@@ -635,17 +774,51 @@ class _RankLowering:
         items = self.forward_items.get(forward)
         if items is None:
             return  # the checker names a backward without its forward
+        runs = [it for it in reversed(items) if isinstance(it, _Segment)
+                and (it.seeds or it.roots or it.collect)]
+        last = {b: k for k, it in enumerate(runs) for b in it.buckets}
+        kept = self.kept[1] if self.kept[0] == forward else frozenset()
+        gathered: set[int] = set(kept)  # still gathered from the forward
+        waited: set[int] = set(kept)
+        final = self.last_backward.get(stage) == unit
         for item in reversed(items):
             if isinstance(item, _Segment):
                 # a segment may hold only cuts that a later segment reads (a weight cut after
                 # one communication point of its consumer's inputs and before the next): its
                 # backward runs no autograd but must still collect their gradients
                 if item.seeds or item.roots or item.collect:
+                    k = runs.index(item)
+                    self._regather(item, runs[k + 1:], gathered, waited)
                     self.out.append(Backward(tuple(item.seeds), tuple(item.roots),
                                              tuple(item.collect), span=item.span or span))
+                    for b in sorted(b for b in item.buckets if last[b] == k):
+                        self._release(b, final)
             else:
                 self._backward_comm(item)
         self.out.append(Free(tuple(self.made.get(forward, ())), span=span))
+
+    def _regather(self, seg: _Segment, later: list[_Segment], gathered: set[int],
+                  waited: set[int]) -> None:
+        """Before ``seg``'s backward: its buckets gathered (unless prefetched) and waited for,
+        and those of the next segment that needs others prefetched."""
+        for b in sorted(seg.buckets - gathered):
+            self._gather(b, gathered)
+        for b in sorted(seg.buckets - waited):
+            self.out.append(WaitParams(b, span=self.m.reducer.buckets[b].span))
+            waited.add(b)
+        nxt = next((s for s in later if s.buckets - gathered), None)
+        for b in sorted(nxt.buckets - gathered) if nxt is not None else ():
+            self._gather(b, gathered)
+
+    def _release(self, b: int, final: bool) -> None:
+        """After bucket ``b``'s last backward in this unit: free it; in the last backward unit
+        of its stage, its gradient is whole: reduce-scatter it now."""
+        bucket = self.m.reducer.buckets[b]
+        self.out.append(FreeParams(b, span=bucket.span))
+        if final and b not in self.reduced:
+            self.reduced.add(b)
+            self.out.append(ReduceBucket(b, tuple(bucket.devices), tuple(bucket.entries),
+                                         span=bucket.span, zero=bucket.zero))
 
     def _input_grad(self, stage: int, mb: int, span: Span | None) -> None:
         """An ``I`` unit: the backward unit's communication, with each segment's autograd over

@@ -298,6 +298,9 @@ class ReduceBucket:
     With ``loss``, the loss parts this rank counts ride in the same all-reduce (one element
     after the gradients): the step's loss, without a collective of its own (``LossSum``).
 
+    Stage 3 (``zero`` 3) reduce-scatters like stage 2 but stands inside the backward unit, right
+    after the last backward that reaches the bucket's weights (``FreeParams``).
+
     ``zero`` > 0: a ZeRO-sharded bucket. This rank owns chunk ``group.index(rank)`` of the flat
     bucket (``ssdsl.materialize.reducer.shard_range``) and the optimizer steps only that chunk.
     Stage 1 all-reduces the whole flat bucket and keeps it; stage 2 reduce-scatters it (padded
@@ -331,6 +334,39 @@ class GatherBucket:
 
 
 @attrs.frozen
+class GatherParams:
+    """ZeRO stage 3: start the all-gather over ``group`` of every member's chunk of bucket
+    ``bucket`` into its flat buffer, whose views are the weights of ``entries``. It may still be
+    in flight (a prefetch) until ``WaitParams``; the weights are read only after that."""
+
+    kind: ClassVar[str] = "gather_params"
+    bucket: int
+    group: tuple[int, ...]
+    entries: tuple[tuple[str, Region], ...]
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class WaitParams:
+    """ZeRO stage 3: the gathered weights of ``bucket`` are read from here on (wait for the
+    all-gather that ``GatherParams`` started)."""
+
+    kind: ClassVar[str] = "wait_params"
+    bucket: int
+    span: Span | None = _span()
+
+
+@attrs.frozen
+class FreeParams:
+    """ZeRO stage 3: release the flat buffer of ``bucket`` (only this rank's chunk of it stays);
+    nothing reads its weights until the next ``GatherParams``."""
+
+    kind: ClassVar[str] = "free_params"
+    bucket: int
+    span: Span | None = _span()
+
+
+@attrs.frozen
 class LossSum:
     """All-reduce over ``group`` of the loss parts this rank counts: the step's loss."""
 
@@ -349,12 +385,14 @@ class OptimizerStep:
 
 Instr = (Begin | End | TakeInput | TakeParam | TakeBuffer | Call | Cut | LocalAdapter | Comm
          | Backward | BackwardInput | BackwardWeight | RecomputeBegin | RecomputeEnd | Free
-         | WaitSends | ReduceBucket | LossSum | OptimizerStep | GatherBucket)
+         | WaitSends | ReduceBucket | LossSum | OptimizerStep | GatherBucket | GatherParams
+         | WaitParams | FreeParams)
 
 INSTRUCTIONS: tuple[type, ...] = (Begin, End, TakeInput, TakeParam, TakeBuffer, Call, Cut,
                                   LocalAdapter, Comm, Backward, BackwardInput, BackwardWeight,
                                   RecomputeBegin, RecomputeEnd, Free,
-                                  WaitSends, ReduceBucket, LossSum, OptimizerStep, GatherBucket)
+                                  WaitSends, ReduceBucket, LossSum, OptimizerStep, GatherBucket,
+                                  GatherParams, WaitParams, FreeParams)
 BY_KIND: dict[str, type] = {c.kind: c for c in INSTRUCTIONS}
 
 

@@ -25,8 +25,10 @@ from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.materialize.fanout import gather_fanouts
 from ssdsl.materialize.plan import plan_adapter
-from ssdsl.materialize.reducer import GradReducer, Weight, ZeroSpec, plan_grad_reducer
+from ssdsl.materialize.reducer import (GradReducer, Weight, ZeroSpec, module_unit,
+                                       plan_grad_reducer)
 from ssdsl.materialize.steps import Adapter
+from ssdsl.transform.errors import UnsupportedDirective
 from ssdsl.transform.parts import Part, Transformed
 from ssdsl.transform.select import select_ops
 
@@ -145,8 +147,10 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     weights, scales = _weights(t, reads, dtype, partial)
     uses = {key: SourceUse(key[0], _region(t, key[0], p.sub.inputs[key[2]]), scales.get(key, 1.0))
             for key, p in reads.items()}
-    return Materialized(t, edges, uses, plan_grad_reducer(weights, zero=zero_specs(t)), dtype,
-                        schedule)
+    reducer = plan_grad_reducer(weights, zero=zero_specs(t), gathers=2 * t.microbatches)
+    _check_zero3(t, reducer, schedule)
+    reducer = _keep_over(t, reducer, schedule)
+    return Materialized(t, edges, uses, reducer, dtype, schedule)
 
 
 def zero_specs(t: Transformed) -> tuple[ZeroSpec, ...]:
@@ -345,7 +349,7 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
         if len(sizes) == 1:
             for i in range(sizes.pop()):
                 group = tuple((c[i], region) for c in classes.values())
-                weights.append(Weight(name, shape, dtype, group))
+                weights.append(Weight(name, shape, dtype, group, _unit(t, name)))
             # Replicas of one part on one device (co-shard) compute copies of one gradient,
             # and the device's leaf adds them: each counts 1/m of it.
             for key, p in reads.items():
@@ -356,11 +360,76 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
                     if m > 1:
                         scales[key] = 1.0 / m
             continue
-        weights.append(Weight(name, shape, dtype, tuple((d, region) for d in sorted(by_device))))
+        weights.append(Weight(name, shape, dtype, tuple((d, region) for d in sorted(by_device)),
+                              _unit(t, name)))
         for key, p in reads.items():
             if key[0] == name and _region(t, name, p.sub.inputs[key[2]]) == region:
                 scales[key] = 1.0 / _copies(t, p, key[2], partial)
     return weights, scales
+
+
+def _unit(t: Transformed, name: str) -> str:
+    """A weight's module unit, with the pipeline stage of its reader (a parameter has one
+    reader, ``ssdsl.trace.shared``): so no stage-3 bucket mixes two stages, even where one rank
+    holds several (interleaved schedules), and each is gathered by its own stage's units."""
+    stages = sorted({t.stage(op.name) for op in t.graph.ops if name in op.inputs})
+    return f"{','.join(map(str, stages))}:{module_unit(t.graph.params.get(name, name))}"
+
+
+def _check_zero3(t: Transformed, reducer: GradReducer, schedule: Any) -> None:
+    """Stage 3 gathers a bucket where a unit of work uses it: refused with a split backward,
+    where the weight half runs apart from the input half."""
+    for b in reducer.buckets:
+        if b.zero == 3 and schedule is not None and any(
+                ch in str(u) for prog in schedule.schedule.programs for u in prog.units
+                for ch in "IW"):
+            raise UnsupportedDirective(
+                "zero stage 3 with a split backward (I and W units): the weights would have to "
+                "stay gathered from the input half to the weight half", b.span,
+                hint="use stage 2 with zero-bubble schedules, or a 1F1B schedule with stage 3")
+
+
+def _keep_over(t: Transformed, reducer: GradReducer, schedule: Any) -> GradReducer:
+    """Stage 3: the buckets of what a stage's last weight-reading operator reads (directly or
+    through a tied weight's alias, ``ssdsl.trace.shared``: GPT's LM head) stay gathered from the end of a
+    forward into its own backward when that comes next (every micro-batch of a plan without
+    stages, the last stage of 1F1B), as FSDP2 keeps its root module: that backward needs them
+    first, so it saves a gather and no memory. ``gathers`` counts what remains."""
+    if not any(b.zero == 3 for b in reducer.buckets):
+        return reducer
+    g = t.graph
+    reader = {n: op.name for op in g.ops for n in op.inputs if n in g.params}
+    # values made of weights only (the alias of a tied weight, its fan-out copies): the weights
+    # they are; an operator that reads nothing else is not a layer
+    made_of: dict[str, frozenset[str]] = {n: frozenset({n}) for n in g.params}
+    last: dict[int, frozenset[str]] = {}
+    for op in g.ops:
+        read = frozenset().union(*(made_of[n] for n in op.inputs if n in made_of))
+        if op.inputs and all(n in made_of for n in op.inputs):
+            made_of.update((out, read) for out in op.outputs)
+        elif read:
+            last[t.stage(op.name)] = read
+    buckets = []
+    for b in reducer.buckets:
+        if b.zero == 3:
+            stage = t.stage(reader[b.entries[0][0]])
+            adjacent = _backward_next(t, schedule, stage)
+            keep = adjacent > 0 and bool({n for n, _ in b.entries} & last.get(stage, set()))
+            b = attrs.evolve(b, keep=keep, gathers=b.gathers - (adjacent if keep else 0))
+        buckets.append(b)
+    return GradReducer(tuple(buckets))
+
+
+def _backward_next(t: Transformed, schedule: Any, stage: int) -> int:
+    """How many forward units of ``stage`` are followed right away by their own backward."""
+    if schedule is None:
+        return t.microbatches  # F0 B0 F1 B1 ...
+    for prog in schedule.schedule.programs:
+        units = [str(u) for u in prog.units]
+        if any(u.startswith(f"{stage}F") for u in units):
+            return sum(1 for a, b in zip(units, units[1:])
+                       if a.startswith(f"{stage}F") and b == a.replace("F", "B", 1))
+    return 0
 
 
 def _check_one_part_per_device(t: Transformed, schedule: Any = None) -> None:

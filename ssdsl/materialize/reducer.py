@@ -15,6 +15,12 @@ optimizer on it, so the optimizer state exists only for that chunk. Stage 1 stil
 the whole bucket (every member keeps the full reduced gradient); stage 2 reduce-scatters it
 (each keeps only its chunk's gradient). After the optimizer step an all-gather of the updated
 chunks rebuilds the full weights on every member.
+
+Stage 3 shards the weights themselves: a member keeps only its chunk of the bucket between
+uses. Its buckets follow the model's modules (``module_unit``: one per layer, ``h.3``, as FSDP2
+wraps each block), split further at ``bucket_bytes``; the lowering gathers a bucket before the
+forward of the layer that reads it and again before its backward, frees it after each, and
+reduce-scatters its gradient after the last backward that reaches it (``ssdsl.lower.build``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Weight:
     shape: tuple[int, ...]
     dtype: torch.dtype
     placements: tuple[Placement, ...]
+    unit: str = ""  # the module unit it belongs to (``module_unit``): stage-3 buckets follow it
 
 
 class NotDataParallel(SsdslError):
@@ -69,6 +76,9 @@ class Bucket:
     zero: int = 0
     itemsize: int = 4
     span: Span | None = attrs.field(default=None, eq=False)
+    gathers: int = 2  # stage 3: all-gathers of the bucket per step (forward and backward, per
+    # micro-batch, less one per forward that keeps it for its backward: ``keep``)
+    keep: bool = False  # stage 3: gathered from the end of a forward into its own backward
 
     @property
     def padded(self) -> int:
@@ -89,7 +99,22 @@ class Bucket:
             return (("all_reduce", 1, 2 * (p - 1) * self.size),)
         first = (("all_reduce", 1, 2 * (p - 1) * self.size) if self.zero == 1
                  else ("reduce_scatter", 1, (p - 1) * self.padded))
-        return first, ("all_gather", 1, (p - 1) * self.padded)
+        n = self.gathers if self.zero == 3 else 1
+        return first, ("all_gather", n, n * (p - 1) * self.padded)
+
+
+def module_unit(qualified: str) -> str:
+    """The module unit of a parameter (its qualified name): the path up to the first layer
+    index, else its top-level module; stage-3 buckets do not mix units.
+
+    >>> module_unit("h.3.attn.c_attn.weight"), module_unit("wte.weight"), module_unit("bias")
+    ('h.3', 'wte', '')
+    """
+    parts = qualified.split(".")[:-1]
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return parts[0] if parts else ""
 
 
 def shard_range(numel: int, members: int, index: int) -> tuple[int, int]:
@@ -124,7 +149,7 @@ class GradReducer:
 
 
 def plan_grad_reducer(weights: Sequence[Weight], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      zero: Sequence[ZeroSpec] = ()) -> GradReducer:
+                      zero: Sequence[ZeroSpec] = (), gathers: int = 2) -> GradReducer:
     """Buckets of gradient all-reduces for every weight region held by more than one device.
 
     >>> w = Weight("fc.weight", (4, 4), torch.float32,
@@ -132,7 +157,8 @@ def plan_grad_reducer(weights: Sequence[Weight], *, bucket_bytes: int = DEFAULT_
     >>> plan_grad_reducer([w]).buckets[0].devices
     (0, 1)
     """
-    by_set: dict[tuple[tuple[int, ...], ZeroSpec | None], list[tuple[str, Region, int]]] = {}
+    by_set: dict[tuple[tuple[int, ...], ZeroSpec | None],
+                 list[tuple[str, Region, int, str]]] = {}
     used: set[ZeroSpec] = set()
     itemsize = {w.name: w.dtype.itemsize for w in weights}
     for w in weights:
@@ -145,7 +171,7 @@ def plan_grad_reducer(weights: Sequence[Weight], *, bucket_bytes: int = DEFAULT_
                 if spec is not None:
                     used.add(spec)
                 by_set.setdefault((tuple(sorted(devs)), spec), []).append(
-                    (w.name, reg, reg.nbytes(w.dtype)))
+                    (w.name, reg, reg.nbytes(w.dtype), w.unit))
     for z in zero:
         if z not in used:
             raise NotDataParallel(
@@ -158,14 +184,16 @@ def plan_grad_reducer(weights: Sequence[Weight], *, bucket_bytes: int = DEFAULT_
         stage = spec.stage if spec is not None else 0
         span = spec.span if spec is not None else None
         current: list[tuple[str, Region]] = []
-        size = 0
-        for name, reg, n in by_set[(devs, spec)]:
-            if current and size + n > bucket_bytes:
-                buckets.append(Bucket(devs, tuple(current), size, stage, itemsize[name], span))
+        size, unit = 0, None
+        for name, reg, n, w_unit in by_set[(devs, spec)]:
+            if current and (size + n > bucket_bytes or (stage == 3 and w_unit != unit)):
+                buckets.append(Bucket(devs, tuple(current), size, stage, itemsize[name], span,
+                                      gathers))
                 current, size = [], 0
             current.append((name, reg))
             size += n
+            unit = w_unit
         if current:
             buckets.append(Bucket(devs, tuple(current), size, stage, itemsize[current[0][0]],
-                                  span))
+                                  span, gathers))
     return GradReducer(tuple(buckets))

@@ -33,7 +33,7 @@ def comm_report(m: Materialized, *, title: str = "communication per step"
     edges = [_edge_entry(k, e) for k, e in m.edges.items()
              if e.adapter.steps or (e.adapter.backward is not None and e.adapter.backward.steps)]
     data = {**acc, "edges": edges,
-            "fallback_edges": sum(1 for e in edges if e["fallback"])}
+            "fallback_edges": sum(1 for e in edges if e["fallback"]), "zero": zero_summary(m)}
     table = Table(title=title)
     for col, justify in (("pass", "left"), ("primitive", "left"), ("calls", "right"),
                          ("bytes", "right")):
@@ -45,6 +45,28 @@ def comm_report(m: Materialized, *, title: str = "communication per step"
     if data["fallback_edges"]:
         table.caption = f"{data['fallback_edges']} edge(s) use the point-to-point fallback"
     return table, data
+
+
+_KEEPS = {1: "the optimizer state of its chunk", 2: "the gradient and optimizer state of its chunk",
+          3: "the weights, gradient and optimizer state of its chunk; weights gathered per use"}
+
+
+def zero_summary(m: Materialized) -> list[dict[str, Any]]:
+    """One entry per ``zero`` statement: its line, stage, buckets, elements and group sizes."""
+    by: dict[Any, list] = {}
+    for b in m.reducer.buckets:
+        if b.zero:
+            by.setdefault((b.span, b.zero), []).append(b)
+    out = []
+    for (span, stage), buckets in by.items():
+        numel = sum(b.size // b.itemsize for b in buckets)
+        sizes = sorted({len(b.devices) for b in buckets})
+        where = f"{span.file.rsplit('/', 1)[-1]}:{span.line}:{span.column}" if span else "zero"
+        text = (f"ZeRO stage {stage} ({where}): {len(buckets)} bucket(s), {numel:,} elements "
+                f"over groups of {'/'.join(map(str, sizes))}; each member keeps {_KEEPS[stage]}")
+        out.append({"line": where, "stage": stage, "buckets": len(buckets), "elements": numel,
+                    "group_sizes": sizes, "text": text})
+    return out
 
 
 def _edge_entry(key: EdgeKey, e: Edge) -> dict[str, Any]:

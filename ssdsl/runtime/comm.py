@@ -61,6 +61,25 @@ def raw_reduce_scatter(x: torch.Tensor, members: Members, dim: int, rank: int,
     return out
 
 
+def start_all_gather_into(out: torch.Tensor, x: torch.Tensor, members: Members, groups=None):
+    """Start an all-gather of every member's ``x`` straight into the flat ``out`` (chunk ``m``
+    of it from member ``m``; ``members`` ascending); the returned work completes it."""
+    if list(members) != sorted(members):
+        raise ValueError(f"a flat all-gather needs its members ascending, got {members}")
+    # into one tensor: no copy out of a staging buffer (on gloo a third faster than a list)
+    return dist.all_gather_into_tensor(out, x, group=_pg(groups, members), async_op=True)
+
+
+def start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, members: Members, groups=None):
+    """Start a reduce-scatter of the flat ``x`` (chunk ``m`` summed into member ``m``'s ``out``;
+    ``members`` ascending); the returned work completes it."""
+    if list(members) != sorted(members):
+        raise ValueError(f"a flat reduce-scatter needs its members ascending, got {members}")
+    # a list of views of ``x`` (no copies); on gloo it measured faster than reduce_scatter_tensor
+    return dist.reduce_scatter(out, list(x.view(len(members), -1).unbind(0)),
+                               group=_pg(groups, members), async_op=True)
+
+
 def raw_all_to_all(x: torch.Tensor, members: Members, cat_dim: int, split_dim: int,
                    groups=None) -> torch.Tensor:
     chunks = x.chunk(len(members), split_dim)

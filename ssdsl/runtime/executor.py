@@ -31,7 +31,8 @@ from ssdsl.ir.region import Region
 from ssdsl.lower import Handler, Program, Wait, lower_rank, walk
 from ssdsl.lower.instr import Coll, P2P
 from ssdsl.materialize.program import Materialized
-from ssdsl.runtime.comm import coll_on_rank, isend, local_coll, wait_sends
+from ssdsl.runtime.comm import (coll_on_rank, isend, local_coll, start_all_gather_into,
+                                start_reduce_scatter, wait_sends)
 from ssdsl.runtime.groups import ProcessGroups, groups_of
 from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.reference import to_dtype
@@ -498,6 +499,21 @@ class Runner(Handler):
         yield from self.meet(w)
         shard.gathered(w.result)
 
+    # -- ZeRO stage 3: weights gathered around their uses ---------------------------------------
+    def on_gather_params(self, ins) -> Iterator[Wait]:
+        shard = self.zero[ins.bucket]
+        shard.allocate()
+        w = Wait(self.rank, Coll("all_gather", ins.group), ins, ("gather_params", ins.bucket),
+                 payload=shard.store.detach().clone())
+        yield from self.meet(w)
+        shard.gathered(w.result)
+
+    def on_wait_params(self, ins) -> None:
+        return None
+
+    def on_free_params(self, ins) -> None:
+        self.zero[ins.bucket].release()
+
     def _my_loss(self) -> float:
         """The sum of the loss parts this rank counts."""
         return float(sum(float(x.detach()) for x, counted in self.losses if counted))
@@ -526,6 +542,8 @@ class DistRunner(Runner):
     def __init__(self, *args: Any, groups: ProcessGroups | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.groups = groups
+        # reduce-scatters in flight: work, shard, result, input (kept alive until done)
+        self.pending: list[tuple[Any, ZeroShard, torch.Tensor, torch.Tensor]] = []
 
     def meet(self, w: Wait) -> Iterator[Wait]:
         if isinstance(w.what, Coll):
@@ -547,6 +565,42 @@ class DistRunner(Runner):
 
     def on_wait_sends(self, ins) -> None:
         wait_sends()
+
+    # ZeRO stage 3 on torch.distributed: the all-gather runs in flight from ``GatherParams`` to
+    # ``WaitParams`` (a prefetch overlaps the layer before), straight into the flat buffer whose
+    # views the weights are; a stage-3 reduce-scatter runs in flight until the optimizer step
+    def on_gather_params(self, ins) -> None:
+        shard = self.zero[ins.bucket]
+        shard.allocate()
+        shard.work = start_all_gather_into(shard.buffer, shard.store, ins.group, self.groups)
+
+    def on_wait_params(self, ins) -> None:
+        shard = self.zero[ins.bucket]
+        if shard.work is not None:
+            shard.work.wait()
+            shard.work = None
+
+    def on_free_params(self, ins) -> None:
+        self.on_wait_params(ins)
+        self.zero[ins.bucket].release()
+
+    def _reduce_scatter(self, ins, flat: torch.Tensor) -> Iterator[Wait]:
+        if ins.zero != 3:
+            return (yield from super()._reduce_scatter(ins, flat))
+        shard = self.zero[ins.bucket]
+        out = torch.empty(shard.chunk, dtype=flat.dtype, device=flat.device)
+        padded = shard.pad(flat)
+        work = start_reduce_scatter(out, padded, ins.group, self.groups)
+        self.pending.append((work, shard, out, padded))
+        for e in ins.entries:
+            self.state.leaves[e].grad = None
+
+    def on_step(self, ins) -> None:
+        for work, shard, out, _ in self.pending:
+            work.wait()
+            shard.set_grad(out)
+        self.pending = []
+        super().on_step(ins)
 
 
 def input_rows(program: Program) -> tuple[int, int] | None:
@@ -680,9 +734,19 @@ class RankProgram:
         return self.runner.loss_total
 
     # -- results ---------------------------------------------------------------------------------
+    def _gather_weights(self) -> None:
+        """Stage 3: every sharded bucket gathered once more, so that the weights can be read
+        (collective: every rank calls ``shards`` at the end of a run)."""
+        for bucket, shard in sorted(self.zero.items()):
+            if shard.store is not None and not shard.allocated:
+                shard.allocate()
+                start_all_gather_into(shard.buffer, shard.store, shard.ins.group,
+                                      self.groups).wait()
+
     def shards(self) -> list[tuple[str, Region, torch.Tensor]]:
         """This rank's parameter shards as (qualified name, region, values); a tied parameter
         under each of its names, as ``state_dict`` lists it."""
+        self._gather_weights()
         return [(qual, region, t.detach().cpu().clone())
                 for (name, region), t in self.state.leaves.items()
                 for qual in (self.graph.params[name], *self.graph.aliases.get(

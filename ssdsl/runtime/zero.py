@@ -8,6 +8,12 @@ after the step (``GatherBucket``) writes every member's chunk back into the buff
 every weight. Element-wise optimizers give on a chunk exactly the slice of the update on the
 whole tensor (``ssdsl.runtime.train.build_optimizer``), which is why the numbers equal an
 unsharded run's.
+
+Stage 3 keeps the weights sharded too: ``store`` (this rank's padded chunk) is what persists,
+``param`` a view of it that the optimizer steps, and the buffer's storage exists only between a
+``GatherParams`` and its ``FreeParams`` (``allocate``/``release``: the storage is resized, so the
+weights, and the tensors autograd saved of them, see the gathered values again when it is
+refilled for backward).
 """
 
 from __future__ import annotations
@@ -36,11 +42,29 @@ class ZeroShard:
     hi: int
     index: int  # this rank's position in the bucket's group: it owns chunk ``index``
     chunk: int  # elements per chunk (the buffer holds ``chunk * len(group)``)
+    store: torch.Tensor | None = None  # stage 3: the padded chunk that persists
+    work: object = None  # stage 3: an all-gather in flight into the buffer
 
     @property
     def padded_chunk(self) -> torch.Tensor:
         """This rank's chunk of the buffer with its padding: what it contributes to the gather."""
+        if self.store is not None:
+            return self.store
         return self.buffer[self.index * self.chunk:(self.index + 1) * self.chunk]
+
+    @property
+    def allocated(self) -> bool:
+        return self.buffer.untyped_storage().nbytes() > 0
+
+    def allocate(self) -> None:
+        """Stage 3: storage for the whole buffer again (its values are the next gather's)."""
+        if not self.allocated:
+            self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+
+    def release(self) -> None:
+        """Stage 3: drop the buffer's storage; the weights (its views) hold nothing until the
+        next ``allocate``."""
+        self.buffer.untyped_storage().resize_(0)
 
     def pad(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` (the bucket's gradients) padded with zeros to the buffer's length."""
@@ -79,9 +103,28 @@ def zero_shards(program: Program, leaves: Mapping[LeafKey, torch.nn.Parameter]
                 offset += n
         index = ins.group.index(program.rank)
         lo, hi = shard_range(numel, p, index)
-        out[ins.bucket] = ZeroShard(ins, buffer, torch.nn.Parameter(buffer[lo:hi]), lo, hi,
-                                    index, chunk)
+        if ins.zero == 3:
+            store = buffer[index * chunk:(index + 1) * chunk].clone()
+            shard = ZeroShard(ins, buffer, torch.nn.Parameter(store[:hi - lo]), lo, hi, index,
+                              chunk, store)
+            shard.release()
+        else:
+            shard = ZeroShard(ins, buffer, torch.nn.Parameter(buffer[lo:hi]), lo, hi, index,
+                              chunk)
+        out[ins.bucket] = shard
     return out
+
+
+def rebuild_weights(shards: Mapping[int, Mapping[int, ZeroShard]]) -> None:
+    """Every rank's stage-3 buffers filled from the members' chunks (``shards`` by rank, all
+    ranks in this process): the weights readable again, as after a gather."""
+    for mine in shards.values():
+        for bucket, shard in mine.items():
+            if shard.store is None:
+                continue
+            shard.allocate()
+            with torch.no_grad():
+                shard.buffer.copy_(torch.cat([shards[q][bucket].store for q in shard.ins.group]))
 
 
 def optimizer_params(leaves: Mapping[LeafKey, torch.nn.Parameter],
@@ -98,10 +141,14 @@ def model_state_bytes(leaves: Mapping[LeafKey, torch.nn.Parameter],
     """Bytes of parameters, gradients and optimizer state this rank holds now.
 
     Weights that are views of a shard's buffer are counted by their own elements (the padding
-    of the buffer is at most a group's size of elements)."""
+    of the buffer is at most a group's size of elements). Under stage 3 a bucket's weights are
+    counted by the chunk that persists (padding included), not by the buffer gathered for a
+    while."""
     def nbytes(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.numel() * t.element_size()
-    params = sum(nbytes(w) for w in leaves.values())
+    third = {e for s in shards.values() if s.store is not None for e in s.ins.entries}
+    params = sum(nbytes(w) for k, w in leaves.items() if k not in third)
+    params += sum(nbytes(s.store) for s in shards.values())
     grads = sum(nbytes(w.grad) for w in leaves.values())
     grads += sum(nbytes(s.param.grad) for s in shards.values())
     state = 0

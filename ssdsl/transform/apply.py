@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 import attrs
 
-from ssdsl.elaborate.directives import Assign, Partition, Replicate, StageRef, Zero
+from ssdsl.elaborate.directives import Assign, Partition, Replicate, StageRef
 from ssdsl.errors import ErrorCollector, SsdslError
 from ssdsl.ir.graph import Graph
 from ssdsl.ops import Annotation, NotAnnotated, NotAnnotatedError, annotate, call_of, require
 from ssdsl.source import Span
 from ssdsl.transform.errors import (
-    BadDevice, EmptySelection, UnsupportedDirective, MissingDim, PartCountMismatch,
+    BadDevice, EmptySelection, MissingDim, PartCountMismatch,
     PartReassigned, UnplacedPart,
 )
 from ssdsl.transform.normalize import normalize_losses
@@ -358,12 +358,6 @@ def apply_directives(graph: Graph, directives: Sequence, *, world: int,
     for d in directives:
         if isinstance(d, Assign) and isinstance(part_prefix(d.selector)[1], StageRef):
             deferred.append(d)
-            continue
-        if isinstance(d, Zero) and d.stage == 3:
-            errors.add(UnsupportedDirective(
-                "zero stage 3 (sharding the weights themselves) is not executed by this version "
-                "of ssdsl", d.span, hint="use stage 2: optimizer state and gradients sharded, "
-                "weights whole on every member"))
             continue
         handler = {Partition: b.partition, Replicate: b.replicate, Assign: b.assign}.get(type(d))
         if handler is None:
