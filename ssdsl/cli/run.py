@@ -270,6 +270,7 @@ def _launch_verifying(spec: Any, planned: Any, world: int, args: argparse.Namesp
     import time
 
     import attrs
+    import torch
 
     from ssdsl.runtime.gate import Gate
     from ssdsl.runtime.job import GATE_PHASE, rank_main
@@ -286,10 +287,17 @@ def _launch_verifying(spec: Any, planned: Any, world: int, args: argparse.Namesp
         # first, and verification takes the cycles they leave (at the gate, all of them)
         with contextlib.suppress(AttributeError, OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        # one thread: the cores are the ranks' (each has its share, ``launch``); an OpenMP
+        # team that waits for a core a starting rank holds turns a small float64 product of
+        # microseconds into a scheduler slice (16 ms measured here)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         try:
             done["verification"] = verify_before_launch(spec, world, planned=planned.m)
         except BaseException as exc:  # noqa: BLE001 - raised in the launching thread
             done["error"] = exc
+        finally:
+            torch.set_num_threads(threads)
         done["at"] = time.monotonic()
         gate.open() if "error" not in done else gate.refuse()
 
