@@ -43,6 +43,35 @@ def test_a_float32_tensor_made_from_constants_does_not_lower_the_precision() -> 
     assert p.dtype == torch.float64 and p.note() is None
 
 
+def _watched(path: Path) -> torch.dtype:
+    from ssdsl.runtime.verify import observed_precision
+    return observed_precision(load_model_file(path), seed=0, dtype=torch.float64,
+                              batch_size=None)
+
+
+def test_the_running_model_tells_the_same_precision_as_its_float64_graph() -> None:
+    """``observed_precision`` (the plain model run under a dispatch watch, what verification
+    uses for a plan traced in float32, whose graph lost the model's own casts) agrees with the
+    float64 graph's ``computing_precision`` on each kind: a cast of trained values, none, and a
+    float32 tensor made from constants alone."""
+    for path in (F32_LOSS, ROOT / "examples" / "mlp.py",
+                 ROOT / "tests" / "models" / "float32_constant.py"):
+        want = computing_precision(_graph(path, torch.float64), torch.float64).dtype
+        assert _watched(path) == want, path
+
+
+def test_a_float32_trace_verified_in_float64_is_judged_by_the_models_own_precision() -> None:
+    """The model casts its logits to float32: the float32 trace does not show it, the plain
+    float64 model does; the launcher's float32 programs, run in float64, are verified with
+    float32's tolerance (their gradients differ from the model's by float32 rounding)."""
+    from ssdsl.runtime.job import JobSpec, launch_files
+    from ssdsl.runtime.preflight import verify_before_launch
+    spec = JobSpec(str(F32_LOSS), "dp")
+    with launch_files(spec, 2) as planned:
+        v = verify_before_launch(spec, 2, planned=planned.m)
+    assert v.verified and v.dtype == "float64" and 1e-12 < v.max_grad_error < 1e-4
+
+
 @pytest.mark.slow
 def test_run_check_uses_the_model_precision(capsys) -> None:
     from ssdsl.cli import main

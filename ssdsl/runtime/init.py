@@ -189,9 +189,13 @@ class LiveModel:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        self._values: tuple[Graph, dict[str, torch.Tensor]] | None = None
 
     def read(self, graph: Graph, name: str, region: Region) -> torch.Tensor | None:
-        full = named_values(self.model, graph).get(name)
+        # the model's names are looked up once per graph, not once per region read
+        if self._values is None or self._values[0] is not graph:
+            self._values = (graph, named_values(self.model, graph))
+        full = self._values[1].get(name)
         return None if full is None else region.slice_of(full).detach().clone()
 
 

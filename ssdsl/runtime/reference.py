@@ -37,9 +37,6 @@ class RunRecord:
     losses: tuple[float, ...]
     final_state: Tensors
     grads: Mapping[int, Tensors] = attrs.field(factory=dict)
-    # with ``watch_precision``: the lowest floating dtype the model's first forward computed
-    # the trained values in (``ssdsl.trace.precision.PrecisionWatch``)
-    precision: torch.dtype | None = None
 
 
 def to_dtype(batch: Any, dtype: torch.dtype) -> Any:
@@ -54,8 +51,8 @@ def to_dtype(batch: Any, dtype: torch.dtype) -> Any:
 def run_reference(model_file: ModelFile, *, steps: int, batch_size: int | None = None,
                   seed: int = 0, dtype: torch.dtype = torch.float32,
                   optimizer: OptimizerSpec = OptimizerSpec(),
-                  grad_steps: Collection[int] = (), device: str | torch.device = "cpu",
-                  watch_precision: bool = False) -> RunRecord:
+                  grad_steps: Collection[int] = (), device: str | torch.device = "cpu"
+                  ) -> RunRecord:
     """Train on one device for ``steps`` steps; record losses, the gradients of ``grad_steps``
     (before that step's optimizer update) and the final state dict.
 
@@ -70,20 +67,12 @@ def run_reference(model_file: ModelFile, *, steps: int, batch_size: int | None =
     names = {p: n for n, p in model.named_parameters()}
     losses: list[float] = []
     grads: dict[int, dict[str, torch.Tensor]] = {}
-    precision = None
     for step in range(steps):
         inputs, target = model_file.get_batch(step, batch_size)
         inputs = tuple(t.to(device) for t in to_dtype(inputs, dtype))
         target = to_dtype(target, dtype).to(device)
         opt.zero_grad(set_to_none=True)
-        if watch_precision and step == 0:
-            from ssdsl.trace.precision import PrecisionWatch
-            floats = [t for t in inputs if t.is_floating_point()]
-            with PrecisionWatch(dtype, [*model.parameters(), *floats]) as watch:
-                loss = model_file.loss(model(*inputs), target)
-            precision = watch.dtype
-        else:
-            loss = model_file.loss(model(*inputs), target)
+        loss = model_file.loss(model(*inputs), target)
         loss.backward()
         if step in grad_steps:
             grads[step] = {names[p]: p.grad.detach().cpu().clone()
@@ -91,7 +80,7 @@ def run_reference(model_file: ModelFile, *, steps: int, batch_size: int | None =
         opt.step()
         losses.append(float(loss.detach()))
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return RunRecord(losses=tuple(losses), final_state=state, grads=grads, precision=precision)
+    return RunRecord(losses=tuple(losses), final_state=state, grads=grads)
 
 
 # ----------------------------------------------------------------------------- comparison

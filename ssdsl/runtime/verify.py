@@ -148,33 +148,55 @@ def compare_with_model(m: Materialized, model_file: ModelFile, sim: Simulation, 
     loss, and the largest gradient error relative to the largest reference gradient entry.
     ``dtype``: what ``sim`` ran in, when not ``m.dtype`` (``simulate_plan``)."""
     run = m.dtype if dtype is None else dtype
-    # The tolerance of the precision the model really computes in: a model that casts its
-    # logits to float32 is judged by float32's rounding under a float64 run (finding 6). A plan
-    # run in another dtype than it was traced in cannot tell from its graph (a float32 trace
-    # drops the model's own .float()): the plain model run here tells instead.
-    watch = rtol is None and run != m.dtype
     ref = run_reference(model_file, steps=1, seed=seed, dtype=run, batch_size=batch_size,
-                        optimizer=OptimizerSpec("sgd"), grad_steps=(0,), watch_precision=watch)
-    if rtol is None:
-        from ssdsl.trace.precision import computing_precision
-        rtol = _rtol(ref.precision if watch else
-                     computing_precision(m.transformed.graph, m.dtype).dtype)
+                        optimizer=OptimizerSpec("sgd"), grad_steps=(0,))
     ref_loss, ref_grads = ref.losses[0], ref.grads[0]
     g = m.transformed.graph
     scale = max(float(t.abs().max()) for t in ref_grads.values())
-    problems: list[str] = []
-    if abs(sim.loss - ref_loss) > rtol * max(1.0, abs(ref_loss)):
-        problems.append(f"loss {sim.loss!r} differs from the plain model's {ref_loss!r}")
-    worst = 0.0
+    loss_err = abs(sim.loss - ref_loss) / max(1.0, abs(ref_loss))
+    errors = []  # (device, parameter name, region, error)
     for dev, mine in sorted(sim.grads.items()):
         for (name, region), grad in mine.items():
             want = region.slice_of(_ref_grad(g, ref_grads, name))
-            err = float((grad - want).abs().max()) / scale if grad.numel() else 0.0
-            worst = max(worst, err)
-            if err > rtol:
-                problems.append(f"device {dev}: gradient of {g.params[name]} {region!r} off by "
-                                f"{err:.3g} (relative to the largest gradient entry)")
+            errors.append((dev, name, region,
+                           float((grad - want).abs().max()) / scale if grad.numel() else 0.0))
+    worst = max((e for *_, e in errors), default=0.0)
+    if rtol is None:
+        # The tolerance of the precision the model really computes in: a model that casts its
+        # logits to float32 is judged by float32's rounding under a float64 run (finding 6). A
+        # plan run in another dtype than it was traced in cannot tell from its graph (a float32
+        # trace drops the model's own .float()): the plain model tells, watched (only when the
+        # run's own precision does not already agree).
+        if run == m.dtype:
+            from ssdsl.trace.precision import computing_precision
+            rtol = _rtol(computing_precision(g, m.dtype).dtype)
+        else:
+            rtol = _rtol(run)
+            if max(loss_err, worst) > rtol:
+                rtol = _rtol(observed_precision(model_file, seed=seed, dtype=run,
+                                                batch_size=batch_size))
+    problems: list[str] = []
+    if loss_err > rtol:
+        problems.append(f"loss {sim.loss!r} differs from the plain model's {ref_loss!r}")
+    problems += [f"device {dev}: gradient of {g.params[name]} {region!r} off by {err:.3g} "
+                 "(relative to the largest gradient entry)"
+                 for dev, name, region, err in errors if err > rtol]
     return problems, ref_loss, worst
+
+
+def observed_precision(model_file: ModelFile, *, seed: int, dtype: torch.dtype,
+                       batch_size: int | None) -> torch.dtype:
+    """The lowest floating precision the plain model, built in ``dtype``, computes its trained
+    values in on ``get_batch(0)`` (``ssdsl.trace.precision.PrecisionWatch``)."""
+    from ssdsl.runtime.reference import to_dtype
+    from ssdsl.trace.precision import PrecisionWatch
+    model = model_file.build(seed=seed).to(dtype)
+    inputs, target = model_file.get_batch(0, batch_size)
+    inputs, target = to_dtype(tuple(inputs), dtype), to_dtype(target, dtype)
+    floats = [t for t in inputs if t.is_floating_point()]
+    with torch.no_grad(), PrecisionWatch(dtype, [*model.parameters(), *floats]) as watch:
+        model_file.loss(model(*inputs), target)
+    return watch.dtype
 
 
 def _rtol(dtype: torch.dtype) -> float:
