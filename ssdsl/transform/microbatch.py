@@ -103,9 +103,12 @@ def _by_shift(t: Transformed, d: Microbatch
         pieces = _first_pieces(t, op, label, d, any(x in consumed for x in op.outputs))
         if pieces is None:
             return None
+        seen: set[int] = set()  # ids of subs alive in ``first``: replicas share one
         for part, step in pieces:
-            if not _note_moves(t, op, part, label, step, moves):
-                return None
+            if id(part.sub) not in seen:
+                seen.add(id(part.sub))
+                if not _note_moves(t, op, part, label, step, moves):
+                    return None
         first[op.name] = [p for p, _ in pieces]
     if not found:
         return None
@@ -288,11 +291,14 @@ def _boxes(t: Transformed, parts: dict[str, list[Part]]) -> dict[str, Box]:
     micro-batch 0 holds rows {0, 4} of an 8-row batch, which become local rows {0, 1}.
     """
     seen: dict[str, list[list[tuple[int, int]]]] = {}
-    done: set = set()  # a region many parts touch (a weight's) joins the union once
+    # a region many parts touch (a weight's) joins the union once; regions are shared objects
+    # (alive in ``parts`` for the whole loop), so telling them by id is cheaper than hashing
+    # them, and a copy that slips through adds nothing to the union
+    done: set = set()
     for name, ivs in _regions(t, parts):
-        if (name, ivs) in done:
+        if (name, id(ivs)) in done:
             continue
-        done.add((name, ivs))
+        done.add((name, id(ivs)))
         dims = seen.setdefault(name, [[] for _ in ivs])
         for into, d in zip(dims, ivs):
             into.extend(d)
