@@ -97,7 +97,7 @@ class _Emitter(Handler):
 
     def _const(self, ins: Any) -> str:
         name = f"I{len(self.consts)}"
-        self.consts.append(f"{name} = {instruction_text(attrs.evolve(ins, span=None))}")
+        self.consts.append(f"{name} = {instruction_text(ins, without_span=True)}")
         return name
 
     def _hand(self, ins: Any, note: str, *extra: Span | None) -> None:

@@ -261,6 +261,10 @@ class _RankLowering:
         self.n_weight_cuts = 0
         self.region_chunk: int | None = None
         self.n_regions = 0
+        # what every micro-batch of a unit asks again of the plan for this rank, asked once
+        self._passes: dict[int, bool] = {}  # id(adapter) -> _passthrough (adapters outlive it)
+        self._reader_lists: dict[tuple[str, int], list[Part]] = {}
+        self._spans: dict[tuple, Span | None] = {}
 
     # -- driver ------------------------------------------------------------------------------
     def program(self) -> Program:
@@ -432,14 +436,24 @@ class _RankLowering:
                 edge = self.m.edges.get((name, op.name, slot))
                 if edge is None or self.c.producer[name].name not in inside:
                     continue
-                if not _passthrough(edge.adapter, self.rank) or len(
+                if not self._passthrough(edge.adapter) or len(
                         self._readers(op.name, slot)) != len(self.c.placed[(op.name, self.rank)]):
                     return False
         return True
 
     def _readers(self, op: str, slot: int) -> list[Part]:
         """This rank's parts of ``op`` that read input ``slot``: its consumer slots, in order."""
-        return [p for p in self.c.placed.get((op, self.rank), ()) if p.sub.inputs[slot] is not None]
+        found = self._reader_lists.get((op, slot))
+        if found is None:
+            found = self._reader_lists[(op, slot)] = [
+                p for p in self.c.placed.get((op, self.rank), ()) if p.sub.inputs[slot] is not None]
+        return found
+
+    def _passthrough(self, adapter: Adapter) -> bool:
+        found = self._passes.get(id(adapter))
+        if found is None:
+            found = self._passes[id(adapter)] = _passthrough(adapter, self.rank)
+        return found
 
     def _value(self, tensor: str, op: str, part: Part, mb: int) -> str:
         """The name of ``part``'s output ``tensor``: ``x@mb``, or ``x~j@mb`` for the j-th of
@@ -506,7 +520,7 @@ class _RankLowering:
                          for p in self.c.placed.get((producer_op, self.rank), ()))
         is_producer = any(d == self.rank for d, _ in ad.producers)
         is_consumer = any(d == self.rank for d, _ in ad.consumers)
-        if _passthrough(ad, self.rank):
+        if self._passthrough(ad):
             # slot for slot; a later part's value (co-shard, part by part) is not made yet:
             # its reader takes it (or a cut of it) when it runs
             return tuple(self._use(v, unit) if v in self.defined_in else v
@@ -556,6 +570,12 @@ class _RankLowering:
         return outs or None
 
     def _edge_span(self, edge: Edge, part: Part | None) -> Span | None:
+        key = (edge.tensor, edge.op, edge.slot, None if part is None else id(part))
+        if key not in self._spans:  # parts and edges outlive this rank's lowering
+            self._spans[key] = self._first_span(edge, part)
+        return self._spans[key]
+
+    def _first_span(self, edge: Edge, part: Part | None) -> Span | None:
         mine = self.c.first(edge.op, self.rank) or part
         for p in (mine, self.c.first(self.c.producer[edge.tensor].name, self.rank),
                   self.t.parts[edge.op][0]):

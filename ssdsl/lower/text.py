@@ -42,14 +42,17 @@ def program_text(p: Program) -> str:
     return "\n".join(lines) + "\n"
 
 
-def instruction_text(ins: Any) -> str:
-    """One line: ``kind(field=value, ...)``, fields at their default left out."""
-    return f"{ins.kind}({_fields(ins)})"
+def instruction_text(ins: Any, *, without_span: bool = False) -> str:
+    """One line: ``kind(field=value, ...)``, fields at their default left out (and the span,
+    with ``without_span``: the text of ``attrs.evolve(ins, span=None)``)."""
+    return f"{ins.kind}({_fields(ins, 'span' if without_span else None)})"
 
 
-def _fields(obj: Any) -> str:
+def _fields(obj: Any, skip: str | None = None) -> str:
     out = []
     for f in attrs.fields(type(obj)):
+        if f.name == skip:
+            continue
         v = getattr(obj, f.name)
         if f.default is not attrs.NOTHING and not isinstance(f.default, attrs.Factory) \
                 and _same(v, f.default):
