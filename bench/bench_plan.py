@@ -39,6 +39,9 @@ def main() -> None:
     p.add_argument("--plan", default="megatron_tp")
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--set", action="append", default=[])
+    p.add_argument("--ranks", type=int, default=None, metavar="N",
+                   help="write the files of N evenly spaced ranks only, and estimate codegen "
+                   "for the world from them (codegen_est_s, total_est_s)")
     p.add_argument("-o", "--output", default=None, metavar="DIR",
                    help="keep the per-rank files in DIR (default: a temporary folder, removed)")
     a = p.parse_args()
@@ -77,14 +80,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_plan.") as tmp:
         out = a.output or tmp
         try:  # each file written as it is made (the folder holds them, not this process)
+            ranks = range(0, a.world, max(1, a.world // (a.ranks or a.world)))
             paths = write_programs(out, {f"rank{r}.py": functools.partial(generate_rank, m, r, prov)
-                                         for r in range(a.world)})
+                                         for r in ranks})
             size = sum(p.stat().st_size for p in paths) / 2**20
-            codegen = f"{len(paths)} files, {size:.1f} MiB" + (f" in {out}" if a.output else "")
+            codegen = (f"{len(paths)} files, {size:.1f} MiB" if len(ranks) == a.world else
+                       f"{len(paths)} of {a.world} files, {size:.1f} MiB (all: "
+                       f"~{size * a.world / len(ranks):.0f} MiB)") + (f" in {out}" if a.output else "")
         except SsdslError as err:
-            codegen = f"skipped: {err.message}"
+            codegen, ranks = f"skipped: {err.message}", range(a.world)
         times["codegen_s"] = time.perf_counter() - t0
     times["total_s"] = sum(times.values())
+    if len(ranks) < a.world:
+        times["codegen_est_s"] = times["codegen_s"] * a.world / len(ranks)
+        times["total_est_s"] = times["total_s"] - times["codegen_s"] + times["codegen_est_s"]
     print(json.dumps({"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "seq": a.seq,
                       "plan": a.plan, "world": a.world, "sets": a.set, "ops": len(graph.ops),
                       "parts": sum(len(v) for v in t.parts.values()), "edges": len(m.edges),
