@@ -163,7 +163,7 @@ def zero_specs(t: Transformed) -> tuple[ZeroSpec, ...]:
 
 
 def _region(t: Transformed, tensor: str, intervals, part: tuple[int, int] = (0, 1)) -> Region:
-    return Region(t.shape(tensor), tuple(intervals), part=part)
+    return t.region(tensor, intervals, part)
 
 
 def _torch_dtype(name: str) -> torch.dtype | None:

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from ssdsl.ir.graph import Graph, Op, map_tensor_refs
+from ssdsl.ir.region import Region
 from ssdsl.ops import Annotation, LocalCall, NotAnnotated, Slot, SubOp
 
 Interval = tuple[int, int]
@@ -101,6 +102,16 @@ class Transformed:
         """The logical shape of ``tensor`` as the parts see it (one micro-batch's, if split)."""
         found = self.shapes.get(tensor)
         return found if found is not None else tuple(self.graph.tensors[tensor].shape)
+
+    def region(self, tensor: str, intervals, part: tuple[int, int] = (0, 1)) -> Region:
+        """The ``Region`` of ``tensor`` (its shape as the parts see it) with ``intervals`` and
+        value part ``part``; made once per plan (the producers, consumers and gradients of
+        every edge name the same few regions again: a weight's under data parallelism)."""
+        key = ("region", tensor, tuple(intervals), part)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = Region(self.shape(tensor), key[2], part=part)
+        return found
 
     def stage(self, op: str) -> int:
         """The pipeline stage of operator ``op`` (0 without stages)."""
