@@ -50,15 +50,21 @@ def instruction_text(ins: Any, *, without_span: bool = False) -> str:
 
 def _fields(obj: Any, skip: str | None = None) -> str:
     out = []
-    for f in attrs.fields(type(obj)):
-        if f.name == skip:
+    for name, default in _defaults(type(obj)):
+        if name == skip:
             continue
-        v = getattr(obj, f.name)
-        if f.default is not attrs.NOTHING and not isinstance(f.default, attrs.Factory) \
-                and _same(v, f.default):
+        v = getattr(obj, name)
+        if default is not attrs.NOTHING and _same(v, default):
             continue
-        out.append(f"{f.name}={_lit(v)}")
+        out.append(f"{name}={_lit(v)}")
     return ", ".join(out)
+
+
+@functools.cache
+def _defaults(cls: type) -> tuple[tuple[str, Any], ...]:
+    """Each field of ``cls`` with the default its text leaves out (``NOTHING``: none)."""
+    return tuple((f.name, attrs.NOTHING if isinstance(f.default, attrs.Factory) else f.default)
+                 for f in attrs.fields(cls))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -96,6 +102,9 @@ def _object_lit(v: Any) -> str:
 
 
 def _lit(v: Any) -> str:
+    plain = _PLAIN.get(type(v))  # the common exact types first; anything else below
+    if plain is not None:
+        return plain(v)
     if isinstance(v, Slot):
         return f"S({v.index})"
     if isinstance(v, Region):
@@ -118,6 +127,18 @@ def _lit(v: Any) -> str:
     if isinstance(v, (torch.dtype, torch.memory_format, torch.layout)):
         return str(v)
     raise TypeError(f"no text form for {v!r} ({type(v).__name__})")
+
+
+def _tuple_lit(v: tuple) -> str:
+    inner = ", ".join(_lit(x) for x in v)
+    return f"({inner},)" if len(v) == 1 else f"({inner})"
+
+
+# Exact types whose text ``_lit`` gives without further tests (a subclass goes the long way).
+_PLAIN: dict[type, Any] = {str: repr, int: repr, bool: repr, type(None): repr,
+                           tuple: _tuple_lit, Region: _region_lit, Span: _span_lit,
+                           LocalCall: _object_lit, Coll: _object_lit, P2P: _object_lit,
+                           Msg: _object_lit}
 
 
 def parse_program(text: str, *, name: str = "<program>") -> Program:
