@@ -53,3 +53,28 @@ def test_regions_are_made_once_and_equal_fresh_ones(transformed):
     name, ivs = op.outputs[0], part.sub.outputs[0]
     assert t.region(name, ivs) is t.region(name, ivs)
     assert t.region(name, ivs, (1, 2)) == Region(t.shape(name), ivs, part=(1, 2))
+
+
+def test_the_tag_stride_grows_only_for_a_plan_that_needs_it(transformed):
+    """Tags are ``base * stride + i``: a plan whose largest adapter sends more messages than
+    ``TAG_STRIDE`` (4,096 ranks) gets a larger stride; any other keeps its tags."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ssdsl.ir.region import Region
+    from ssdsl.lower.build import TAG_STRIDE, localize, tag_stride
+    from ssdsl.materialize.p2p import plan_p2p
+
+    t, lowered = transformed
+    assert tag_stride(materialize(t, schedule=lowered)) == TAG_STRIDE
+    n = TAG_STRIDE + 1  # one row to each of n devices
+    step = plan_p2p((n, 1), torch.float32, [(0, Region((n, 1), (((0, n),), ((0, 1),))))],
+                    [(d, Region((n, 1), (((d, d + 1),), ((0, 1),)))) for d in range(n)])
+    adapter = SimpleNamespace(steps=(step,), backward=None)
+    stride = tag_stride(SimpleNamespace(edges={"e": SimpleNamespace(adapter=adapter)}))
+    assert stride == 2 * TAG_STRIDE
+    (p2p,) = localize(adapter, 0, 3, stride)
+    assert min(m.tag for m in p2p.msgs) >= 3 * stride
+    with pytest.raises(ValueError):
+        localize(adapter, 0, 3)

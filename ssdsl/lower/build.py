@@ -56,9 +56,25 @@ from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
 from ssdsl.source import Span
 from ssdsl.transform.parts import Part
 
-# Messages of one adapter direction get tags ``base * TAG_STRIDE + i``; base is unique per
-# (edge, micro-batch, direction).
+# Messages of one adapter direction get tags ``base * stride + i``; base is unique per (edge,
+# micro-batch, direction). The stride is TAG_STRIDE, or the least power-of-two multiple of it that
+# holds the plan's largest adapter direction (``tag_stride``: 4,096 ranks move some tensors in
+# 8,192 messages), so a plan that fits keeps its tags.
 TAG_STRIDE = 4096
+
+
+def tag_stride(m: Materialized) -> int:
+    """The tag stride of ``m``'s programs (see ``TAG_STRIDE``)."""
+    most = max((_messages(ad) for e in m.edges.values()
+                for ad in (e.adapter, e.adapter.backward) if ad is not None), default=0)
+    stride = TAG_STRIDE
+    while stride < most:
+        stride *= 2
+    return stride
+
+
+def _messages(adapter: Adapter) -> int:
+    return sum(len(s.messages) for s in adapter.steps if isinstance(s, PointToPoint))
 
 
 @attrs.frozen
@@ -114,6 +130,7 @@ class _Context:
     # (op, device) -> the op's parts there, row-major: several under co-shard
     placed: dict[tuple[str, int], tuple[Part, ...]]
     edge_keys: tuple[tuple[str, str, int], ...]  # by edge id
+    stride: int  # of message tags (``tag_stride``)
 
     @classmethod
     def of(cls, m: Materialized) -> _Context:
@@ -136,7 +153,7 @@ class _Context:
                 placed[(op, p.device)] = placed.get((op, p.device), ()) + (p,)
         return cls(m, ops_of, {s: frozenset(d) for s, d in devices.items()}, producer, after,
                    {key: i for i, key in enumerate(m.edges)}, _unit_programs(m), recompute,
-                   placed, tuple(m.edges))
+                   placed, tuple(m.edges), tag_stride(m))
 
     def first(self, op: str, rank: int) -> Part | None:
         """The first part of ``op`` on ``rank`` (for plan lines), or None."""
@@ -161,17 +178,18 @@ def _unit_programs(m: Materialized):
 # -- localizing adapter steps ---------------------------------------------------------------------
 
 
-def localize(adapter: Adapter, rank: int, tag_base: int) -> tuple[LocalStep, ...]:
+def localize(adapter: Adapter, rank: int, tag_base: int, stride: int = TAG_STRIDE
+             ) -> tuple[LocalStep, ...]:
     """What ``rank`` does in each step of ``adapter``; message ``i`` of the adapter's
-    point-to-point steps gets tag ``tag_base * TAG_STRIDE + i``."""
+    point-to-point steps gets tag ``tag_base * stride + i``."""
     out: list[LocalStep] = []
     n = 0
     for step in adapter.steps:
         if isinstance(step, PointToPoint):
-            out.append(_local_p2p(step, rank, tag_base * TAG_STRIDE + n))
+            out.append(_local_p2p(step, rank, tag_base * stride + n))
             n += len(step.messages)
-            if n > TAG_STRIDE:
-                raise ValueError(f"an adapter of {n} messages (at most {TAG_STRIDE})")
+            if n > stride:
+                raise ValueError(f"an adapter of {n} messages (at most {stride})")
         else:
             group = next((g for g in step.groups if rank in g), None)
             if group is not None:
@@ -527,8 +545,9 @@ class _RankLowering:
                          for v in produced) if is_consumer else None
         eid = self.c.edge_ids[key]
         base = eid * self.t.microbatches + mb
-        fwd = localize(ad, self.rank, 2 * base)
-        back = localize(ad.backward, self.rank, 2 * base + 1) if _has_grad(ad) else ()
+        fwd = localize(ad, self.rank, 2 * base, self.c.stride)
+        back = localize(ad.backward, self.rank, 2 * base + 1, self.c.stride) if _has_grad(ad) \
+            else ()
         n_out = sum(1 for d, _ in ad.consumers if d == self.rank)
         outs = tuple(f"{edge.tensor}>{edge.op}.{edge.slot}{'' if n_out == 1 else f'~{j}'}@{mb}"
                      for j in range(n_out))
@@ -704,7 +723,7 @@ class _RankLowering:
         if not _has_grad(ad):
             return
         base = c.edge * self.t.microbatches + c.mb
-        steps = localize(ad.backward, self.rank, 2 * base + 1)
+        steps = localize(ad.backward, self.rank, 2 * base + 1, self.c.stride)
         shapes = tuple(r.local_shape for d, r in ad.consumers if d == self.rank)
         self.out.append(Comm(c.edge, c.mb, True, c.outs, c.ins, shapes, c.dtype, steps,
                              span=c.span))
