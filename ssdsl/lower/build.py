@@ -182,18 +182,44 @@ def localize(adapter: Adapter, rank: int, tag_base: int, stride: int = TAG_STRID
              ) -> tuple[LocalStep, ...]:
     """What ``rank`` does in each step of ``adapter``; message ``i`` of the adapter's
     point-to-point steps gets tag ``tag_base * stride + i``."""
-    out: list[LocalStep] = []
+    return stamp(rank_view(adapter, rank), tag_base, stride)
+
+
+# A rank's share of an adapter's steps, tags left open: a ``Coll``, or a point-to-point step as
+# (messages up to its end, this rank's sources, its targets, its messages as (index, kind, peer,
+# src slot, dst slot, region)). Made once per rank and adapter, stamped once per micro-batch and
+# direction: a 4,096-rank adapter's steps list every rank's messages.
+RankView = tuple[Any, ...]
+
+
+def rank_view(adapter: Adapter, rank: int) -> RankView:
+    """``rank``'s share of ``adapter``'s steps (see ``RankView``)."""
+    out: list[Any] = []
     n = 0
     for step in adapter.steps:
         if isinstance(step, PointToPoint):
-            out.append(_local_p2p(step, rank, tag_base * stride + n))
+            out.append(_p2p_view(step, rank, n))
             n += len(step.messages)
-            if n > stride:
-                raise ValueError(f"an adapter of {n} messages (at most {stride})")
         else:
             group = next((g for g in step.groups if rank in g), None)
             if group is not None:
                 out.append(_local_coll(step, group))
+    return tuple(out)
+
+
+def stamp(view: RankView, tag_base: int, stride: int = TAG_STRIDE) -> tuple[LocalStep, ...]:
+    """The local steps of ``view`` with the tags of ``tag_base`` (``localize``)."""
+    out: list[LocalStep] = []
+    first = tag_base * stride
+    for step in view:
+        if isinstance(step, Coll):
+            out.append(step)
+            continue
+        end, sources, targets, msgs = step
+        if end > stride:
+            raise ValueError(f"an adapter of {end} messages (at most {stride})")
+        out.append(P2P(sources, targets, tuple(Msg(kind, peer, first + i, src, dst, region)
+                                               for i, kind, peer, src, dst, region in msgs)))
     return tuple(s for s in out if not (isinstance(s, P2P) and not s.msgs and not s.targets))
 
 
@@ -202,19 +228,17 @@ def _local_coll(step: CollectiveStep, group: tuple[int, ...]) -> Coll:
                 getattr(step, "split_dim", 0))
 
 
-def _local_p2p(step: PointToPoint, rank: int, first_tag: int) -> P2P:
+def _p2p_view(step: PointToPoint, rank: int, first: int) -> tuple[Any, ...]:
     msgs = []
-    for i, msg in enumerate(step.messages):
+    for i, msg in enumerate(step.messages, first):
         if msg.src == rank and msg.dst == rank:
-            msgs.append(Msg("copy", rank, first_tag + i, msg.src_slot, msg.dst_slot, msg.region))
+            msgs.append((i, "copy", rank, msg.src_slot, msg.dst_slot, msg.region))
         elif msg.src == rank:
-            msgs.append(Msg("send", msg.dst, first_tag + i, msg.src_slot, msg.dst_slot,
-                            msg.region))
+            msgs.append((i, "send", msg.dst, msg.src_slot, msg.dst_slot, msg.region))
         elif msg.dst == rank:
-            msgs.append(Msg("recv", msg.src, first_tag + i, msg.src_slot, msg.dst_slot,
-                            msg.region))
-    return P2P(tuple(r for d, r in step.sources if d == rank),
-               tuple(r for d, r in step.targets if d == rank), tuple(msgs))
+            msgs.append((i, "recv", msg.src, msg.src_slot, msg.dst_slot, msg.region))
+    return (first + len(step.messages), tuple(r for d, r in step.sources if d == rank),
+            tuple(r for d, r in step.targets if d == rank), tuple(msgs))
 
 
 def _passthrough(adapter: Adapter, rank: int) -> bool:
@@ -283,6 +307,8 @@ class _RankLowering:
         self._passes: dict[int, bool] = {}  # id(adapter) -> _passthrough (adapters outlive it)
         self._reader_lists: dict[tuple[str, int], list[Part]] = {}
         self._spans: dict[tuple, Span | None] = {}
+        self._views: dict[int, tuple[Any, RankView]] = {}  # id(adapter) -> (it, its view)
+        self._role_of: dict[int, tuple[bool, bool, int, tuple, tuple]] = {}
 
     # -- driver ------------------------------------------------------------------------------
     def program(self) -> Program:
@@ -467,6 +493,24 @@ class _RankLowering:
                 p for p in self.c.placed.get((op, self.rank), ()) if p.sub.inputs[slot] is not None]
         return found
 
+    def _view(self, adapter: Adapter) -> RankView:
+        found = self._views.get(id(adapter))
+        if found is None or found[0] is not adapter:
+            found = self._views[id(adapter)] = (adapter, rank_view(adapter, self.rank))
+        return found[1]
+
+    def _roles(self, adapter: Adapter) -> tuple[bool, bool, int, tuple, tuple]:
+        """Whether this rank produces and consumes ``adapter``'s tensor, its consumer slots, and
+        the local shapes of its producer and its consumer slots (once per adapter)."""
+        found = self._role_of.get(id(adapter))  # adapters outlive this rank's lowering
+        if found is None:
+            mine = [r for d, r in adapter.producers if d == self.rank]
+            took = [r for d, r in adapter.consumers if d == self.rank]
+            found = self._role_of[id(adapter)] = (
+                bool(mine), bool(took), len(took), tuple(r.local_shape for r in mine),
+                tuple(r.local_shape for r in took))
+        return found
+
     def _passthrough(self, adapter: Adapter) -> bool:
         found = self._passes.get(id(adapter))
         if found is None:
@@ -536,8 +580,7 @@ class _RankLowering:
         producer_op = self.c.producer[edge.tensor].name
         produced = tuple(self._value(edge.tensor, producer_op, p, mb)
                          for p in self.c.placed.get((producer_op, self.rank), ()))
-        is_producer = any(d == self.rank for d, _ in ad.producers)
-        is_consumer = any(d == self.rank for d, _ in ad.consumers)
+        is_producer, is_consumer, n_out, shapes, _ = self._roles(ad)
         if self._passthrough(ad):
             # slot for slot; a later part's value (co-shard, part by part) is not made yet:
             # its reader takes it (or a cut of it) when it runs
@@ -545,10 +588,9 @@ class _RankLowering:
                          for v in produced) if is_consumer else None
         eid = self.c.edge_ids[key]
         base = eid * self.t.microbatches + mb
-        fwd = localize(ad, self.rank, 2 * base, self.c.stride)
-        back = localize(ad.backward, self.rank, 2 * base + 1, self.c.stride) if _has_grad(ad) \
+        fwd = stamp(self._view(ad), 2 * base, self.c.stride)
+        back = stamp(self._view(ad.backward), 2 * base + 1, self.c.stride) if _has_grad(ad) \
             else ()
-        n_out = sum(1 for d, _ in ad.consumers if d == self.rank)
         outs = tuple(f"{edge.tensor}>{edge.op}.{edge.slot}{'' if n_out == 1 else f'~{j}'}@{mb}"
                      for j in range(n_out))
         span = self._edge_span(edge, part)
@@ -565,7 +607,6 @@ class _RankLowering:
         for v in ins:
             if v not in self.defined_in:
                 raise AssertionError(f"rank {self.rank}: {v} is sent before it is made")
-        shapes = tuple(r.local_shape for d, r in ad.producers if d == self.rank)
         # floats of the traced dtype travel in the run's dtype, chosen when the program runs (a
         # compiled program serves float32 and float64 runs alike); a tensor the model keeps in
         # another precision (rotary tables cast to float32 in a float64 run) and integers travel
@@ -723,8 +764,8 @@ class _RankLowering:
         if not _has_grad(ad):
             return
         base = c.edge * self.t.microbatches + c.mb
-        steps = localize(ad.backward, self.rank, 2 * base + 1, self.c.stride)
-        shapes = tuple(r.local_shape for d, r in ad.consumers if d == self.rank)
+        steps = stamp(self._view(ad.backward), 2 * base + 1, self.c.stride)
+        shapes = self._roles(ad)[4]
         self.out.append(Comm(c.edge, c.mb, True, c.outs, c.ins, shapes, c.dtype, steps,
                              span=c.span))
 
