@@ -4,13 +4,18 @@ generated for every rank (DESIGN §8). Prints the time of each phase as JSON.
     .venv/bin/python bench/bench_plan.py --layers 24 --hidden 1024 --heads 16 --plan megatron_tp --world 8
     .venv/bin/python bench/bench_plan.py --plan dp_tp_1f1b --set dp=2 --set tp=2 --world 8
 
-Codegen is skipped for plans it refuses (pipelines) and reported as such.
+Codegen writes every rank's file as it is made (into ``-o DIR``, or a temporary folder it removes),
+so the peak memory is the plan's, not the files'. It is skipped for plans it refuses and reported
+as such.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import resource
+import tempfile
 import time
 
 import torch
@@ -34,6 +39,11 @@ def main() -> None:
     p.add_argument("--plan", default="megatron_tp")
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--set", action="append", default=[])
+    p.add_argument("--ranks", type=int, default=None, metavar="N",
+                   help="write the files of N evenly spaced ranks only, and estimate codegen "
+                   "for the world from them (codegen_est_s, total_est_s)")
+    p.add_argument("-o", "--output", default=None, metavar="DIR",
+                   help="keep the per-rank files in DIR (default: a temporary folder, removed)")
     a = p.parse_args()
     times: dict[str, float] = {}
 
@@ -63,20 +73,32 @@ def main() -> None:
     m = materialize(t, dtype=torch.float32, schedule=lowered)
     times["materialize_s"] = time.perf_counter() - t0
 
-    from ssdsl.codegen.emit import Provenance, generate_all
+    from ssdsl.codegen import Provenance, generate_rank, write_programs
     t0 = time.perf_counter()
     codegen = "ok"
-    try:
-        files = generate_all(m, Provenance.of("gpt.py", plan))
-        codegen = f"{len(files)} files, {sum(map(len, files.values())) / 2**20:.1f} MiB"
-    except SsdslError as err:
-        codegen = f"skipped: {err.message}"
-    times["codegen_s"] = time.perf_counter() - t0
+    prov = Provenance.of("gpt.py", plan)
+    with tempfile.TemporaryDirectory(prefix="bench_plan.") as tmp:
+        out = a.output or tmp
+        try:  # each file written as it is made (the folder holds them, not this process)
+            ranks = range(0, a.world, max(1, a.world // (a.ranks or a.world)))
+            paths = write_programs(out, {f"rank{r}.py": functools.partial(generate_rank, m, r, prov)
+                                         for r in ranks})
+            size = sum(p.stat().st_size for p in paths) / 2**20
+            codegen = (f"{len(paths)} files, {size:.1f} MiB" if len(ranks) == a.world else
+                       f"{len(paths)} of {a.world} files, {size:.1f} MiB (all: "
+                       f"~{size * a.world / len(ranks):.0f} MiB)") + (f" in {out}" if a.output else "")
+        except SsdslError as err:
+            codegen, ranks = f"skipped: {err.message}", range(a.world)
+        times["codegen_s"] = time.perf_counter() - t0
     times["total_s"] = sum(times.values())
+    if len(ranks) < a.world:
+        times["codegen_est_s"] = times["codegen_s"] * a.world / len(ranks)
+        times["total_est_s"] = times["total_s"] - times["codegen_s"] + times["codegen_est_s"]
     print(json.dumps({"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "seq": a.seq,
                       "plan": a.plan, "world": a.world, "sets": a.set, "ops": len(graph.ops),
                       "parts": sum(len(v) for v in t.parts.values()), "edges": len(m.edges),
-                      "codegen": codegen, **{k: round(v, 2) for k, v in times.items()}},
+                      "codegen": codegen, **{k: round(v, 2) for k, v in times.items()},
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024},
                      indent=1))
 
 

@@ -10,6 +10,7 @@ ssdsl did not generate is refused. ``ssdsl run MODEL PLAN --compiled DIR`` runs 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Any
 
@@ -32,8 +33,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ssdsl.cli._resolve import _resolve, lower_and_check
-    from ssdsl.codegen import GENERATED_MARK, Provenance, generate_rank, write_programs
-    from ssdsl.lower import program_text
+    from ssdsl.codegen import Provenance, generate_rank, write_programs
     from ssdsl.materialize.program import materialize
     from ssdsl.trace import trace
     from ssdsl.trace.model_file import load_model_file
@@ -44,12 +44,10 @@ def run(args: argparse.Namespace) -> int:
     m = materialize(t, schedule=lowered)
     programs = lower_and_check(m)
     prov = Provenance.of(args.model, plan)
-    texts: dict[str, str] = {}
+    texts: dict[str, Any] = {}  # each made as it is written: one module held at a time
     for p in programs:
-        texts[f"rank{p.rank}.py"] = generate_rank(m, p.rank, prov, p)
-        texts[f"rank{p.rank}.program"] = (f"{GENERATED_MARK}; the lowered program of rank "
-                                          f"{p.rank} (ssdsl.lower.parse_program reads it)\n"
-                                          + program_text(_base_names(p)))
+        texts[f"rank{p.rank}.py"] = functools.partial(generate_rank, m, p.rank, prov, p)
+        texts[f"rank{p.rank}.program"] = functools.partial(_program_file, p)
     for path in write_programs(args.output, texts):
         if path.suffix == ".py":
             p = programs[int(path.stem.removeprefix("rank"))]
@@ -58,6 +56,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {path}  ({comm} communication steps, {calls} local calls, "
                   f"{len(p)} instructions)", file=sys.stdout)
     return 0
+
+
+def _program_file(p) -> str:
+    from ssdsl.codegen import GENERATED_MARK
+    from ssdsl.lower import program_text
+    return (f"{GENERATED_MARK}; the lowered program of rank {p.rank} "
+            "(ssdsl.lower.parse_program reads it)\n" + program_text(_base_names(p)))
 
 
 def _base_names(p):

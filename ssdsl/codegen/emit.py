@@ -92,12 +92,13 @@ class _Emitter(Handler):
         self.stmts: list[Stmt] = []
         self.consts: list[str] = []
         self.shards: list[tuple[str, str, str]] = []
+        self._shard_set: set[tuple[str, str, str]] = set()  # every micro-batch takes them again
         self.depth = 1
         self.regions: list[tuple[str, str]] = []
 
     def _const(self, ins: Any) -> str:
         name = f"I{len(self.consts)}"
-        self.consts.append(f"{name} = {instruction_text(attrs.evolve(ins, span=None))}")
+        self.consts.append(f"{name} = {instruction_text(ins, without_span=True)}")
         return name
 
     def _hand(self, ins: Any, note: str, *extra: Span | None) -> None:
@@ -117,7 +118,8 @@ class _Emitter(Handler):
     def on_param(self, ins) -> None:
         qual = self.graph.params.get(ins.tensor, ins.tensor)
         entry = (ins.tensor, qual, region_text(ins.region))
-        if entry not in self.shards:
+        if entry not in self._shard_set:
+            self._shard_set.add(entry)
             self.shards.append(entry)
         scale = f" x{ins.scale:g}" if ins.scale != 1.0 else ""
         self._hand(ins, f"{ins.out} = shard of {qual} {entry[2]}{scale}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ssdsl.codegen.emit import GENERATED_MARK
@@ -32,8 +32,13 @@ def is_generated(path: Path) -> bool:
         return False
 
 
-def write_programs(folder: str | Path, texts: Mapping[str, str]) -> list[Path]:
-    """Write ``texts`` (file name -> module text) into ``folder``; returns the paths written."""
+def write_programs(folder: str | Path, texts: Mapping[str, str | Callable[[], str]]
+                   ) -> list[Path]:
+    """Write ``texts`` (file name -> module text) into ``folder``; returns the paths written.
+
+    A text may be a function that makes it: it is called when its file is written and not kept,
+    so a 1,024-rank compile holds one module at a time
+    (``{"rank0.py": functools.partial(generate_rank, m, 0, prov), ...}``)."""
     out = Path(folder)
     if out.exists() and not out.is_dir():
         raise NotGenerated(f"{out} exists and is not a folder",
@@ -46,7 +51,8 @@ def write_programs(folder: str | Path, texts: Mapping[str, str]) -> list[Path]:
         names = ", ".join(p.name for p in foreign)
         raise NotGenerated(f"{out} holds files that ssdsl did not generate: {names}",
                            hint="choose an empty folder, or move those files away")
-    written = [_atomic_write(out / name, text) for name, text in sorted(texts.items())]
+    written = [_atomic_write(out / name, text() if callable(text) else text)
+               for name, text in sorted(texts.items())]
     for p in existing:
         if re.fullmatch(r"rank\d+\.(py|program)", p.name) and p.name not in texts \
                 and is_generated(p):

@@ -107,6 +107,8 @@ class Region:
         return attrs.evolve(self, intervals=self._replace_dim(dim, _local_range(ivs, lo, hi)))
 
     def with_part(self, part: tuple[int, int]) -> Region:
+        if (int(part[0]), int(part[1])) == self.part:  # a frozen value: itself (no re-normalizing)
+            return self
         return attrs.evolve(self, part=part)
 
     def _replace_dim(self, dim: int, ivs: Intervals) -> tuple[Intervals, ...]:

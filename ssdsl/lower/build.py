@@ -69,9 +69,25 @@ from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
 from ssdsl.source import Span
 from ssdsl.transform.parts import Part
 
-# Messages of one adapter direction get tags ``base * TAG_STRIDE + i``; base is unique per
-# (edge, micro-batch, direction).
+# Messages of one adapter direction get tags ``base * stride + i``; base is unique per (edge,
+# micro-batch, direction). The stride is TAG_STRIDE, or the least power-of-two multiple of it that
+# holds the plan's largest adapter direction (``tag_stride``: 4,096 ranks move some tensors in
+# 8,192 messages), so a plan that fits keeps its tags.
 TAG_STRIDE = 4096
+
+
+def tag_stride(m: Materialized) -> int:
+    """The tag stride of ``m``'s programs (see ``TAG_STRIDE``)."""
+    most = max((_messages(ad) for e in m.edges.values()
+                for ad in (e.adapter, e.adapter.backward) if ad is not None), default=0)
+    stride = TAG_STRIDE
+    while stride < most:
+        stride *= 2
+    return stride
+
+
+def _messages(adapter: Adapter) -> int:
+    return sum(len(s.messages) for s in adapter.steps if isinstance(s, PointToPoint))
 
 
 @attrs.frozen
@@ -127,6 +143,7 @@ class _Context:
     # (op, device) -> the op's parts there, row-major: several under co-shard
     placed: dict[tuple[str, int], tuple[Part, ...]]
     edge_keys: tuple[tuple[str, str, int], ...]  # by edge id
+    stride: int  # of message tags (``tag_stride``)
 
     @classmethod
     def of(cls, m: Materialized) -> _Context:
@@ -149,7 +166,7 @@ class _Context:
                 placed[(op, p.device)] = placed.get((op, p.device), ()) + (p,)
         return cls(m, ops_of, {s: frozenset(d) for s, d in devices.items()}, producer, after,
                    {key: i for i, key in enumerate(m.edges)}, _unit_programs(m), recompute,
-                   placed, tuple(m.edges))
+                   placed, tuple(m.edges), tag_stride(m))
 
     def first(self, op: str, rank: int) -> Part | None:
         """The first part of ``op`` on ``rank`` (for plan lines), or None."""
@@ -174,21 +191,48 @@ def _unit_programs(m: Materialized):
 # -- localizing adapter steps ---------------------------------------------------------------------
 
 
-def localize(adapter: Adapter, rank: int, tag_base: int) -> tuple[LocalStep, ...]:
+def localize(adapter: Adapter, rank: int, tag_base: int, stride: int = TAG_STRIDE
+             ) -> tuple[LocalStep, ...]:
     """What ``rank`` does in each step of ``adapter``; message ``i`` of the adapter's
-    point-to-point steps gets tag ``tag_base * TAG_STRIDE + i``."""
-    out: list[LocalStep] = []
+    point-to-point steps gets tag ``tag_base * stride + i``."""
+    return stamp(rank_view(adapter, rank), tag_base, stride)
+
+
+# A rank's share of an adapter's steps, tags left open: a ``Coll``, or a point-to-point step as
+# (messages up to its end, this rank's sources, its targets, its messages as (index, kind, peer,
+# src slot, dst slot, region)). Made once per rank and adapter, stamped once per micro-batch and
+# direction: a 4,096-rank adapter's steps list every rank's messages.
+RankView = tuple[Any, ...]
+
+
+def rank_view(adapter: Adapter, rank: int) -> RankView:
+    """``rank``'s share of ``adapter``'s steps (see ``RankView``)."""
+    out: list[Any] = []
     n = 0
     for step in adapter.steps:
         if isinstance(step, PointToPoint):
-            out.append(_local_p2p(step, rank, tag_base * TAG_STRIDE + n))
+            out.append(_p2p_view(step, rank, n))
             n += len(step.messages)
-            if n > TAG_STRIDE:
-                raise ValueError(f"an adapter of {n} messages (at most {TAG_STRIDE})")
         else:
             group = next((g for g in step.groups if rank in g), None)
             if group is not None:
                 out.append(_local_coll(step, group))
+    return tuple(out)
+
+
+def stamp(view: RankView, tag_base: int, stride: int = TAG_STRIDE) -> tuple[LocalStep, ...]:
+    """The local steps of ``view`` with the tags of ``tag_base`` (``localize``)."""
+    out: list[LocalStep] = []
+    first = tag_base * stride
+    for step in view:
+        if isinstance(step, Coll):
+            out.append(step)
+            continue
+        end, sources, targets, msgs = step
+        if end > stride:
+            raise ValueError(f"an adapter of {end} messages (at most {stride})")
+        out.append(P2P(sources, targets, tuple(Msg(kind, peer, first + i, src, dst, region)
+                                               for i, kind, peer, src, dst, region in msgs)))
     return tuple(s for s in out if not (isinstance(s, P2P) and not s.msgs and not s.targets))
 
 
@@ -197,19 +241,17 @@ def _local_coll(step: CollectiveStep, group: tuple[int, ...]) -> Coll:
                 getattr(step, "split_dim", 0))
 
 
-def _local_p2p(step: PointToPoint, rank: int, first_tag: int) -> P2P:
+def _p2p_view(step: PointToPoint, rank: int, first: int) -> tuple[Any, ...]:
     msgs = []
-    for i, msg in enumerate(step.messages):
+    for i, msg in enumerate(step.messages, first):
         if msg.src == rank and msg.dst == rank:
-            msgs.append(Msg("copy", rank, first_tag + i, msg.src_slot, msg.dst_slot, msg.region))
+            msgs.append((i, "copy", rank, msg.src_slot, msg.dst_slot, msg.region))
         elif msg.src == rank:
-            msgs.append(Msg("send", msg.dst, first_tag + i, msg.src_slot, msg.dst_slot,
-                            msg.region))
+            msgs.append((i, "send", msg.dst, msg.src_slot, msg.dst_slot, msg.region))
         elif msg.dst == rank:
-            msgs.append(Msg("recv", msg.src, first_tag + i, msg.src_slot, msg.dst_slot,
-                            msg.region))
-    return P2P(tuple(r for d, r in step.sources if d == rank),
-               tuple(r for d, r in step.targets if d == rank), tuple(msgs))
+            msgs.append((i, "recv", msg.src, msg.src_slot, msg.dst_slot, msg.region))
+    return (first + len(step.messages), tuple(r for d, r in step.sources if d == rank),
+            tuple(r for d, r in step.targets if d == rank), tuple(msgs))
 
 
 def _passthrough(adapter: Adapter, rank: int) -> bool:
@@ -290,6 +332,12 @@ class _RankLowering:
         self.reduced: set[int] = set()
         self.next_unit: dict[str, str] = {}
         self.kept: tuple[str, frozenset[int]] = ("", frozenset())  # forward unit, buckets
+        # what every micro-batch of a unit asks again of the plan for this rank, asked once
+        self._passes: dict[int, bool] = {}  # id(adapter) -> _passthrough (adapters outlive it)
+        self._reader_lists: dict[tuple[str, int], list[Part]] = {}
+        self._spans: dict[tuple, Span | None] = {}
+        self._views: dict[int, tuple[Any, RankView]] = {}  # id(adapter) -> (it, its view)
+        self._role_of: dict[int, tuple[bool, bool, int, tuple, tuple]] = {}
 
     # -- driver ------------------------------------------------------------------------------
     def program(self) -> Program:
@@ -562,14 +610,42 @@ class _RankLowering:
                 edge = self.m.edges.get((name, op.name, slot))
                 if edge is None or self.c.producer[name].name not in inside:
                     continue
-                if not _passthrough(edge.adapter, self.rank) or len(
+                if not self._passthrough(edge.adapter) or len(
                         self._readers(op.name, slot)) != len(self.c.placed[(op.name, self.rank)]):
                     return False
         return True
 
     def _readers(self, op: str, slot: int) -> list[Part]:
         """This rank's parts of ``op`` that read input ``slot``: its consumer slots, in order."""
-        return [p for p in self.c.placed.get((op, self.rank), ()) if p.sub.inputs[slot] is not None]
+        found = self._reader_lists.get((op, slot))
+        if found is None:
+            found = self._reader_lists[(op, slot)] = [
+                p for p in self.c.placed.get((op, self.rank), ()) if p.sub.inputs[slot] is not None]
+        return found
+
+    def _view(self, adapter: Adapter) -> RankView:
+        found = self._views.get(id(adapter))
+        if found is None or found[0] is not adapter:
+            found = self._views[id(adapter)] = (adapter, rank_view(adapter, self.rank))
+        return found[1]
+
+    def _roles(self, adapter: Adapter) -> tuple[bool, bool, int, tuple, tuple]:
+        """Whether this rank produces and consumes ``adapter``'s tensor, its consumer slots, and
+        the local shapes of its producer and its consumer slots (once per adapter)."""
+        found = self._role_of.get(id(adapter))  # adapters outlive this rank's lowering
+        if found is None:
+            mine = [r for d, r in adapter.producers if d == self.rank]
+            took = [r for d, r in adapter.consumers if d == self.rank]
+            found = self._role_of[id(adapter)] = (
+                bool(mine), bool(took), len(took), tuple(r.local_shape for r in mine),
+                tuple(r.local_shape for r in took))
+        return found
+
+    def _passthrough(self, adapter: Adapter) -> bool:
+        found = self._passes.get(id(adapter))
+        if found is None:
+            found = self._passes[id(adapter)] = _passthrough(adapter, self.rank)
+        return found
 
     def _value(self, tensor: str, op: str, part: Part, mb: int) -> str:
         """The name of ``part``'s output ``tensor``: ``x@mb``, or ``x~j@mb`` for the j-th of
@@ -639,18 +715,17 @@ class _RankLowering:
         producer_op = self.c.producer[edge.tensor].name
         produced = tuple(self._value(edge.tensor, producer_op, p, mb)
                          for p in self.c.placed.get((producer_op, self.rank), ()))
-        is_producer = any(d == self.rank for d, _ in ad.producers)
-        is_consumer = any(d == self.rank for d, _ in ad.consumers)
-        if _passthrough(ad, self.rank):
+        is_producer, is_consumer, n_out, shapes, _ = self._roles(ad)
+        if self._passthrough(ad):
             # slot for slot; a later part's value (co-shard, part by part) is not made yet:
             # its reader takes it (or a cut of it) when it runs
             return tuple(self._use(v, unit) if v in self.defined_in else v
                          for v in produced) if is_consumer else None
         eid = self.c.edge_ids[key]
         base = eid * self.t.microbatches + mb
-        fwd = localize(ad, self.rank, 2 * base)
-        back = localize(ad.backward, self.rank, 2 * base + 1) if _has_grad(ad) else ()
-        n_out = sum(1 for d, _ in ad.consumers if d == self.rank)
+        fwd = stamp(self._view(ad), 2 * base, self.c.stride)
+        back = stamp(self._view(ad.backward), 2 * base + 1, self.c.stride) if _has_grad(ad) \
+            else ()
         outs = tuple(f"{edge.tensor}>{edge.op}.{edge.slot}{'' if n_out == 1 else f'~{j}'}@{mb}"
                      for j in range(n_out))
         span = self._edge_span(edge, part)
@@ -669,7 +744,6 @@ class _RankLowering:
         for v in ins:
             if v not in self.defined_in:
                 raise AssertionError(f"rank {self.rank}: {v} is sent before it is made")
-        shapes = tuple(r.local_shape for d, r in ad.producers if d == self.rank)
         # floats of the traced dtype travel in the run's dtype, chosen when the program runs (a
         # compiled program serves float32 and float64 runs alike); a tensor the model keeps in
         # another precision (rotary tables cast to float32 in a float64 run) and integers travel
@@ -695,6 +769,12 @@ class _RankLowering:
         return outs or None
 
     def _edge_span(self, edge: Edge, part: Part | None) -> Span | None:
+        key = (edge.tensor, edge.op, edge.slot, None if part is None else id(part))
+        if key not in self._spans:  # parts and edges outlive this rank's lowering
+            self._spans[key] = self._first_span(edge, part)
+        return self._spans[key]
+
+    def _first_span(self, edge: Edge, part: Part | None) -> Span | None:
         mine = self.c.first(edge.op, self.rank) or part
         for p in (mine, self.c.first(self.c.producer[edge.tensor].name, self.rank),
                   self.t.parts[edge.op][0]):
@@ -859,8 +939,8 @@ class _RankLowering:
         if not _has_grad(ad):
             return
         base = c.edge * self.t.microbatches + c.mb
-        steps = localize(ad.backward, self.rank, 2 * base + 1)
-        shapes = tuple(r.local_shape for d, r in ad.consumers if d == self.rank)
+        steps = stamp(self._view(ad.backward), 2 * base + 1, self.c.stride)
+        shapes = self._roles(ad)[4]
         self.out.append(Comm(c.edge, c.mb, True, c.outs, c.ins, shapes, c.dtype, steps,
                              span=c.span))
 

@@ -42,20 +42,29 @@ def program_text(p: Program) -> str:
     return "\n".join(lines) + "\n"
 
 
-def instruction_text(ins: Any) -> str:
-    """One line: ``kind(field=value, ...)``, fields at their default left out."""
-    return f"{ins.kind}({_fields(ins)})"
+def instruction_text(ins: Any, *, without_span: bool = False) -> str:
+    """One line: ``kind(field=value, ...)``, fields at their default left out (and the span,
+    with ``without_span``: the text of ``attrs.evolve(ins, span=None)``)."""
+    return f"{ins.kind}({_fields(ins, 'span' if without_span else None)})"
 
 
-def _fields(obj: Any) -> str:
+def _fields(obj: Any, skip: str | None = None) -> str:
     out = []
-    for f in attrs.fields(type(obj)):
-        v = getattr(obj, f.name)
-        if f.default is not attrs.NOTHING and not isinstance(f.default, attrs.Factory) \
-                and _same(v, f.default):
+    for name, default in _defaults(type(obj)):
+        if name == skip:
             continue
-        out.append(f"{f.name}={_lit(v)}")
+        v = getattr(obj, name)
+        if default is not attrs.NOTHING and _same(v, default):
+            continue
+        out.append(f"{name}={_lit(v)}")
     return ", ".join(out)
+
+
+@functools.cache
+def _defaults(cls: type) -> tuple[tuple[str, Any], ...]:
+    """Each field of ``cls`` with the default its text leaves out (``NOTHING``: none)."""
+    return tuple((f.name, attrs.NOTHING if isinstance(f.default, attrs.Factory) else f.default)
+                 for f in attrs.fields(cls))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -93,6 +102,9 @@ def _object_lit(v: Any) -> str:
 
 
 def _lit(v: Any) -> str:
+    plain = _PLAIN.get(type(v))  # the common exact types first; anything else below
+    if plain is not None:
+        return plain(v)
     if isinstance(v, Slot):
         return f"S({v.index})"
     if isinstance(v, Region):
@@ -115,6 +127,18 @@ def _lit(v: Any) -> str:
     if isinstance(v, (torch.dtype, torch.memory_format, torch.layout)):
         return str(v)
     raise TypeError(f"no text form for {v!r} ({type(v).__name__})")
+
+
+def _tuple_lit(v: tuple) -> str:
+    inner = ", ".join(_lit(x) for x in v)
+    return f"({inner},)" if len(v) == 1 else f"({inner})"
+
+
+# Exact types whose text ``_lit`` gives without further tests (a subclass goes the long way).
+_PLAIN: dict[type, Any] = {str: repr, int: repr, bool: repr, type(None): repr,
+                           tuple: _tuple_lit, Region: _region_lit, Span: _span_lit,
+                           LocalCall: _object_lit, Coll: _object_lit, P2P: _object_lit,
+                           Msg: _object_lit}
 
 
 def parse_program(text: str, *, name: str = "<program>") -> Program:

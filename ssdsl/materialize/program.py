@@ -167,7 +167,7 @@ def zero_specs(t: Transformed) -> tuple[ZeroSpec, ...]:
 
 
 def _region(t: Transformed, tensor: str, intervals, part: tuple[int, int] = (0, 1)) -> Region:
-    return Region(t.shape(tensor), tuple(intervals), part=part)
+    return t.region(tensor, intervals, part)
 
 
 def _torch_dtype(name: str) -> torch.dtype | None:
@@ -330,6 +330,7 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
     the dp axis only. Otherwise every holder sums and each replica counts 1/R of its gradient.
     """
     holders: dict[tuple[str, Region], dict[int, list]] = {}
+    readers: dict[tuple[str, Region], list] = {}  # the reads of each holder's region, in order
     for key, p in reads.items():
         name, op, slot, device, _ = key
         if name not in t.graph.params:
@@ -338,6 +339,7 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
         # a partial-gradient replica contributes its partial k: devices with the same k hold copies
         who = ("partial", partial[op][device]) if op in partial else p.partition_index
         holders.setdefault((name, region), {}).setdefault(device, []).append((op, slot, who))
+        readers.setdefault((name, region), []).append((key, p, who))
     weights: list[Weight] = []
     scales: dict[tuple, float] = {}
     for (name, region), by_device in holders.items():
@@ -352,19 +354,15 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
                 weights.append(Weight(name, shape, dtype, group, _unit(t, name)))
             # Replicas of one part on one device (co-shard) compute copies of one gradient,
             # and the device's leaf adds them: each counts 1/m of it.
-            for key, p in reads.items():
-                if key[0] == name and _region(t, name, p.sub.inputs[key[2]]) == region:
-                    who = ("partial", partial[key[1]][key[3]]) if key[1] in partial \
-                        else p.partition_index
-                    m = by_device[key[3]].count((key[1], key[2], who))
-                    if m > 1:
-                        scales[key] = 1.0 / m
+            for key, p, who in readers[(name, region)]:
+                m = by_device[key[3]].count((key[1], key[2], who))
+                if m > 1:
+                    scales[key] = 1.0 / m
             continue
         weights.append(Weight(name, shape, dtype, tuple((d, region) for d in sorted(by_device)),
                               _unit(t, name)))
-        for key, p in reads.items():
-            if key[0] == name and _region(t, name, p.sub.inputs[key[2]]) == region:
-                scales[key] = 1.0 / _copies(t, p, key[2], partial)
+        for key, p, _ in readers[(name, region)]:
+            scales[key] = 1.0 / _copies(t, p, key[2], partial)
     return weights, scales
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from ssdsl.ops.build import plain, set_arg
-from ssdsl.ops.core import Annotation, Call, Factor, LocalCall, register
+from ssdsl.ops.core import Annotation, Call, Factor, LocalCall, by_extent, register
 
 
 @register("aten.scaled_dot_product_attention.default")
@@ -56,6 +56,7 @@ def _mask_sig(shape, target, frozen: dict) -> tuple:
     return tuple(sig)
 
 
+@by_extent
 def _pin_scale(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
     scale = call.arg(6, "scale")
     if scale is None:

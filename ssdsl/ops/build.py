@@ -7,7 +7,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from ssdsl.ops.core import (
-    Annotation, Call, Dim, Factor, Interval, LocalCall, LowerFn, Sig, local_shape, local_size,
+    Annotation, Call, Dim, Factor, Interval, LocalCall, LowerFn, Sig, by_extent, local_shape,
+    local_size,
 )
 
 
@@ -132,6 +133,7 @@ def lower_sizes(index: int, name: str, *, out: int = 0, transform: Callable | No
                 ) -> LowerFn:
     """A lowering that sets the size-list argument ``index`` (keyword ``name``) to the local
     shape of output ``out`` (``view``, ``reshape``, ``expand``)."""
+    @by_extent
     def lower(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
               kwargs: dict) -> LocalCall:
         sizes = local_shape(ann.outputs[out], ranges)

@@ -5,7 +5,7 @@ no dilation), where each output position reads its own patch: input ``H = (Ho kh
 from __future__ import annotations
 
 from ssdsl.ops.build import first_value_part, set_arg
-from ssdsl.ops.core import Annotation, Call, Factor, LocalCall, register
+from ssdsl.ops.core import Annotation, Call, Factor, LocalCall, by_extent, register
 
 
 def _tuple(v, n: int) -> tuple[int, ...]:
@@ -57,6 +57,7 @@ def conv(call: Call) -> Annotation:
 CHANNEL_WORDS = {"out": "Co", "in": "Ci"}
 
 
+@by_extent
 def _lower_conv(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
     if not first_value_part(ann, ranges):
         args, kw = set_arg(args, kwargs, 2, "bias", None)

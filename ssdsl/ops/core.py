@@ -116,6 +116,22 @@ class Call:
 LowerFn = Callable[["Call", "Annotation", Mapping[str, Interval], tuple, dict], LocalCall]
 
 
+def by_extent(fn: LowerFn) -> LowerFn:
+    """Mark ``fn`` as a lowering that reads of its ranges only each label's extent (stop -
+    start) and whether a reduced label starts at 0 (``first_value_part``). Moving the range of
+    a label that is not reduced then leaves its call unchanged: every micro-batch of a part
+    makes micro-batch 0's call (``ssdsl.transform.microbatch`` relies on it instead of lowering
+    each micro-batch). Unmarked lowerings (``arange``'s reads the start) are lowered for each."""
+    fn.by_extent = True  # type: ignore[attr-defined]
+    return fn
+
+
+def reads_extents_only(fn: LowerFn) -> bool:
+    """Whether ``fn`` was marked with ``by_extent``."""
+    return getattr(fn, "by_extent", False)
+
+
+@by_extent
 def keep_args(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
               kwargs: dict) -> LocalCall:
     """The default lowering: the same target and arguments on the local tensors."""

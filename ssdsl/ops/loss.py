@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ssdsl.ops.build import dims, plain
-from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, register
+from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, by_extent, register
 
 _MEAN, _SUM = 1, 2
 
@@ -54,7 +54,7 @@ def cross_entropy(call: Call) -> Annotation:
     if reduction == _MEAN and not probabilities:
         frozen.update({b: "the mean divides by the count of targets not ignored, which only the "
                        "whole batch knows (the transform rewrites it as a sum)" for b in batch})
-    lower = lambda c, a, r, args, kw: _share(c, a, r, args, kw, reduction)  # noqa: E731
+    lower = by_extent(lambda c, a, r, args, kw: _share(c, a, r, args, kw, reduction))
     return Annotation(tuple(ins), ((),), reduced=frozenset(batch), frozen=frozen, lower=lower)
 
 
@@ -70,5 +70,5 @@ def pointwise_loss(call: Call) -> Annotation:
         reduction = call.arg(4, "reduction", _MEAN)
     if reduction == 0:
         return Annotation(ins, (sig,))
-    lower = lambda c, a, r, args, kw: _share(c, a, r, args, kw, reduction)  # noqa: E731
+    lower = by_extent(lambda c, a, r, args, kw: _share(c, a, r, args, kw, reduction))
     return Annotation(ins, ((),), reduced=frozenset(labels), lower=lower)

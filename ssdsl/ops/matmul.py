@@ -7,7 +7,7 @@ import string
 from collections.abc import Mapping
 
 from ssdsl.ops.build import broadcast, first_value_part, plain, set_arg
-from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, register
+from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, by_extent, register
 
 
 def _batch(shapes, prefix: str = "b"):
@@ -27,6 +27,7 @@ def _broadcast_shape(shapes):
 
 def _drop_bias_outside_first(bias_pos: int, name: str):
     """Lowering for ops with a bias: a part off the start of a reduced dim must not add it."""
+    @by_extent
     def lower(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
               kwargs: dict) -> LocalCall:
         if not first_value_part(ann, ranges):
@@ -103,6 +104,7 @@ def _rename(label: str, out) -> str:
     return label
 
 
+@by_extent
 def _drop_addmm_bias(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
     if first_value_part(ann, ranges):
         return LocalCall(call.op.target, args, tuple(kwargs.items()))

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 
 from ssdsl.ops.build import dims, extent, plain, set_arg
-from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, register
+from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, by_extent, register
 
 
 @register("aten.layer_norm.default", "aten.rms_norm.default")
@@ -45,6 +45,7 @@ def group_norm(call: Call) -> Annotation:
     return Annotation(tuple(ins), (sig,), frozen=frozen, lower=_local_groups)
 
 
+@by_extent
 def _local_groups(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
                   kwargs: dict) -> LocalCall:
     """A part holding some of the groups normalizes that many groups."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ssdsl.ops.build import dims, norm_dim, plain
-from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, register
+from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, by_extent, register
 
 
 def _reduce_sigs(shape, reduced_dims, keepdim: bool):
@@ -33,6 +33,7 @@ def _dim_pos(call: Call) -> int:
     return 2 if call.op.target == "aten.norm.ScalarOpt_dim" else 1
 
 
+@by_extent
 def _mean_lower(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
                 kwargs: dict) -> LocalCall:
     """A part's mean covers a share of the reduced elements; scaled by it, parts sum to the
@@ -70,6 +71,7 @@ def reduce(call: Call) -> Annotation:
                       frozen={lab: f"{name} over it is not a sum of parts" for lab in labels})
 
 
+@by_extent
 def _keep(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
     return LocalCall(call.op.target, args, tuple(kwargs.items()))
 

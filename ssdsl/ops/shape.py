@@ -11,7 +11,8 @@ from collections.abc import Mapping
 
 from ssdsl.ops.build import broadcast, dims, lower_sizes, norm_dim, plain, reshape_sigs, set_arg
 from ssdsl.ops.core import (
-    Annotation, Call, Factor, Interval, LocalCall, Unsplittable, local_shape, register,
+    Annotation, Call, Factor, Interval, LocalCall, Unsplittable, by_extent, local_shape,
+    register,
 )
 
 
@@ -35,6 +36,7 @@ def view_as(call: Call) -> Annotation:
         ins, out, frozen = reshape_sigs(src, dst)
         made, target = frozenset(), "aten.reshape.default"
 
+    @by_extent
     def lower(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
         return LocalCall(target, (args[0], tuple(local_shape(ann.outputs[0], ranges))))
     return Annotation((ins, out), (out,), frozen=frozen, generated=made, lower=lower)
@@ -65,6 +67,7 @@ def unsqueeze(call: Call) -> Annotation:
     return Annotation((i,), (o,), frozen=frozen, lower=_lower_squeeze)
 
 
+@by_extent
 def _lower_squeeze(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
     # A bare squeeze() would also drop a dim that a part made size 1: name the dims it drops.
     if call.op.target != "aten.squeeze.default":
@@ -143,6 +146,7 @@ def _pieces(call: Call, whole_shape, piece_shapes, d: int, *, cat: bool) -> Anno
     return Annotation((whole,), parts, frozen=frozen, **extra)
 
 
+@by_extent
 def _lower_split(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
                  kwargs: dict) -> LocalCall:
     target = call.op.target
@@ -216,6 +220,7 @@ def slice_(call: Call) -> Annotation:
     return Annotation((tuple(ins),), (tuple(outs),), frozen=frozen, lower=_lower_slice)
 
 
+@by_extent
 def _lower_slice(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
     # Only a full or a strided-to-the-end slice can be split along its own dim; the end must then
     # follow the local size, which "to the end" (None) does. A partial slice keeps its bounds

@@ -11,6 +11,18 @@ k, with every region shifted to the box that micro-batch k covers in each tensor
 micro-batch 0. ``split_microbatches`` checks that and returns micro-batch 0's parts in those local
 coordinates, with the local shapes and each graph input's box per micro-batch, so the later phases
 plan communication once, on a graph whose batch is one micro-batch.
+
+That check need not look at micro-batch k at all (``_by_shift``). A region is a linear function
+of the label ranges (``region_of``): moving the batch label's range of a part by ``k * s`` (its
+share ``s`` of the part's batch) moves every interval of a dim where the label is a factor by
+``k * s * stride`` (the sizes of the factors inside it) and leaves the other dims alone. When,
+for every dim of every tensor, each sub-operator touching it moves it by the same amount per
+micro-batch (none for a weight, which keeps its coordinates), micro-batch k's box is
+micro-batch 0's moved by that amount, so its regions in local coordinates are micro-batch 0's;
+and a lowering that reads only extents (``ssdsl.ops.core.by_extent``) makes micro-batch 0's
+call for each. So micro-batch 0 is derived once per distinct sub-operator and the others only
+in closed form. A plan where any of that does not hold (uneven shares, a lowering that reads
+where a range starts...) takes the general path, which derives every micro-batch and compares.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from ssdsl.elaborate.directives import Microbatch
 from ssdsl.errors import SsdslError
 from ssdsl.ir.region import Region
 from ssdsl.ops import Annotation, FrozenDimError, SubOp, call_of
+from ssdsl.ops.core import reads_extents_only
 from ssdsl.transform.apply import _Builder, _at, _indivisible
 from ssdsl.transform.errors import MissingDim, TransformError
 from ssdsl.transform.parts import Part, Transformed, split_ranges
@@ -41,6 +54,10 @@ def split_microbatches(t: Transformed, d: Microbatch) -> Transformed:
     """``t`` split in time into ``d.count`` micro-batches along ``d.dim`` (see the module doc)."""
     if d.count == 1:
         return attrs.evolve(t, microbatches=1)
+    fast = _by_shift(t, d)
+    if fast is not None:
+        local0, boxes = fast
+        return _result(t, d, local0, boxes)
     per_mb = _split(t, d)
     boxes = [_boxes(t, mb) for mb in per_mb]
     local = [_localize(t, mb, bx) for mb, bx in zip(per_mb, boxes)]
@@ -49,13 +66,136 @@ def split_microbatches(t: Transformed, d: Microbatch) -> Transformed:
         if _sizes(boxes[k]) != _sizes(boxes[0]):
             raise UnevenMicrobatches(f"micro-batch {k} covers a differently shaped slice of the "
                                      "tensors than micro-batch 0", d.span)
+    return _result(t, d, local[0], boxes)
+
+
+def _result(t: Transformed, d: Microbatch, local0: dict[str, list[Part]],
+            boxes: list[dict[str, Box]]) -> Transformed:
     sizes = _sizes(boxes[0])
     shapes = {name: s for name, s in sizes.items() if s != tuple(t.graph.tensors[name].shape)}
     inputs = {name: tuple(Region(t.graph.tensors[name].shape, bx[name]) for bx in boxes)
               for name in t.graph.inputs if name in boxes[0]}
-    return attrs.evolve(t, parts={op: tuple(ps) for op, ps in local[0].items()},
+    return attrs.evolve(t, parts={op: tuple(ps) for op, ps in local0.items()},
                         microbatches=d.count, shapes=shapes, input_boxes=inputs,
                         boxes=tuple({n: bx[n] for n in shapes if n in bx} for bx in boxes))
+
+
+# -- micro-batch 0 only, the others in closed form (see the module doc) ------------------------
+
+
+def _by_shift(t: Transformed, d: Microbatch
+              ) -> tuple[dict[str, list[Part]], list[dict[str, Box]]] | None:
+    """Micro-batch 0's parts in local coordinates and every micro-batch's boxes, or None where
+    the closed form does not prove that micro-batches are alike (the general path decides)."""
+    b = _Builder(t.graph, t.world, start=t)
+    consumed = {name for op in t.graph.ops for name in op.inputs}
+    flowing: dict[str, int] = {}
+    first: dict[str, list[Part]] = {}
+    moves: dict[tuple[str, int], int] = {}  # (tensor, dim) -> its move per micro-batch
+    found = False
+    for op in t.graph.ops:
+        label = b._label(op.name, d.dim) or b._follow(op.name, flowing)
+        if label is not None:
+            found = True
+            b._record(op.name, label, flowing)
+        elif any(x in flowing for x in op.inputs):
+            return None
+        pieces = _first_pieces(t, op, label, d, any(x in consumed for x in op.outputs))
+        if pieces is None:
+            return None
+        seen: set[int] = set()  # ids of subs alive in ``first``: replicas share one
+        for part, step in pieces:
+            if id(part.sub) not in seen:
+                seen.add(id(part.sub))
+                if not _note_moves(t, op, part, label, step, moves):
+                    return None
+        first[op.name] = [p for p, _ in pieces]
+    if not found:
+        return None
+    boxes0 = _boxes(t, first)
+    fixed = {*t.graph.params, *t.graph.buffers, *t.graph.constants}
+    if any(moves.get((name, i)) for name in boxes0 if name in fixed
+           for i in range(len(boxes0[name]))):
+        return None  # a weight keeps its coordinates: it cannot move with the batch
+    boxes = [{name: tuple(tuple((a + k * moves.get((name, i), 0), z + k * moves.get((name, i), 0))
+                                for a, z in dim) for i, dim in enumerate(box))
+              for name, box in boxes0.items()} for k in range(d.count)]
+    return _localize(t, first, boxes0), boxes
+
+
+def _first_pieces(t: Transformed, op, label: str | None, d: Microbatch, consumed: bool
+                  ) -> list[tuple[Part, int]] | None:
+    """Each part of ``op`` cut to micro-batch 0, with its share of the batch (0 without a batch
+    label), or None where micro-batches may differ beyond a move."""
+    if label is None:  # no batch here: every micro-batch recomputes the part as it is
+        return [(p, 0) for p in t.parts[op.name]]
+    ann = t.annotations[op.name]
+    if not isinstance(ann, Annotation):
+        return None
+    size = ann._sizes()[label]
+    marks = ann._labels()
+    same_call = reads_extents_only(ann.lower) and marks[label].mark != "reduced"
+    call = call_of(t.graph, op)
+    memo: dict = {}  # micro-batch 0 ranges -> sub: parts that differ only in replica entries
+    out = []
+    for part in t.parts[op.name]:
+        ranges = dict(part.ranges)
+        start, stop = ranges.get(label, (0, size))
+        if (stop - start) % d.count:
+            return None
+        share = (stop - start) // d.count
+        r0 = {**ranges, label: (start, start + share)}
+        key = tuple(sorted(r0.items()))
+        hit = memo.get(key)
+        if hit is None:
+            try:
+                sub = ann.partition(call, r0)
+                if not same_call and any(
+                        ann.partition(call, {**ranges, label: (start + k * share,
+                                                               start + (k + 1) * share)}).local
+                        != sub.local for k in range(1, d.count)):
+                    return None
+            except SsdslError:
+                return None
+            if len(sub.value) > len(part.sub.value) and consumed:
+                return None
+            hit = memo[key] = sub
+        sub = hit
+        out.append((Part(part.op, part.index, part.replica, key, sub, part.device, part.span,
+                         part.assigned_at), share))
+    return out
+
+
+def _note_moves(t: Transformed, op, part: Part, label: str | None, share: int,
+                moves: dict[tuple[str, int], int]) -> bool:
+    """Record how far each dim of each tensor ``part`` touches moves per micro-batch; False
+    when another sub-operator moves it differently."""
+    ann = t.annotations[op.name]
+    sigs = (ann.inputs, ann.outputs) if isinstance(ann, Annotation) else None
+    for side, (names, regions) in enumerate(((op.inputs, part.sub.inputs),
+                                             (op.outputs, part.sub.outputs))):
+        for slot, (name, region) in enumerate(zip(names, regions)):
+            if region is None:
+                continue
+            strides = _strides(sigs[side][slot], label) if sigs and label else None
+            for i in range(len(region)):
+                step = share * strides[i] if strides else 0
+                if moves.setdefault((name, i), step) != step:
+                    return False
+    return True
+
+
+def _strides(sig, label: str) -> tuple[int, ...]:
+    """Per dim of ``sig``, the stride of ``label`` among the dim's factors (0: not there)."""
+    out = []
+    for dim in sig:
+        stride, inner = 0, 1
+        for f in reversed(dim):
+            if f.label == label:
+                stride = inner
+            inner *= f.size
+        out.append(stride)
+    return tuple(out)
 
 
 def _split(t: Transformed, d: Microbatch) -> list[dict[str, list[Part]]]:
@@ -151,11 +291,14 @@ def _boxes(t: Transformed, parts: dict[str, list[Part]]) -> dict[str, Box]:
     micro-batch 0 holds rows {0, 4} of an 8-row batch, which become local rows {0, 1}.
     """
     seen: dict[str, list[list[tuple[int, int]]]] = {}
-    done: set = set()  # a region many parts touch (a weight's) joins the union once
+    # a region many parts touch (a weight's) joins the union once; regions are shared objects
+    # (alive in ``parts`` for the whole loop), so telling them by id is cheaper than hashing
+    # them, and a copy that slips through adds nothing to the union
+    done: set = set()
     for name, ivs in _regions(t, parts):
-        if (name, ivs) in done:
+        if (name, id(ivs)) in done:
             continue
-        done.add((name, ivs))
+        done.add((name, id(ivs)))
         dims = seen.setdefault(name, [[] for _ in ivs])
         for into, d in zip(dims, ivs):
             into.extend(d)

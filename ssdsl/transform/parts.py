@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from ssdsl.ir.graph import Graph, Op, map_tensor_refs
+from ssdsl.ir.region import Region
 from ssdsl.ops import Annotation, LocalCall, NotAnnotated, Slot, SubOp
 
 Interval = tuple[int, int]
@@ -94,11 +95,23 @@ class Transformed:
     # The operators ``recompute`` statements select, each with the statement's span (set by
     # ``ssdsl.schedule.resolve``, which resolves stages and refuses a selection of nothing).
     recompute: Mapping[str, Any] = attrs.field(converter=MappingProxyType, factory=dict)
+    # tables derived from ``parts`` once (``grad_value_part``); a changed copy starts empty
+    _memo: dict = attrs.field(init=False, factory=dict, eq=False, repr=False)
 
     def shape(self, tensor: str) -> tuple[int, ...]:
         """The logical shape of ``tensor`` as the parts see it (one micro-batch's, if split)."""
         found = self.shapes.get(tensor)
         return found if found is not None else tuple(self.graph.tensors[tensor].shape)
+
+    def region(self, tensor: str, intervals, part: tuple[int, int] = (0, 1)) -> Region:
+        """The ``Region`` of ``tensor`` (its shape as the parts see it) with ``intervals`` and
+        value part ``part``; made once per plan (the producers, consumers and gradients of
+        every edge name the same few regions again: a weight's under data parallelism)."""
+        key = ("region", tensor, tuple(intervals), part)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = Region(self.shape(tensor), key[2], part=part)
+        return found
 
     def stage(self, op: str) -> int:
         """The pipeline stage of operator ``op`` (0 without stages)."""
@@ -127,10 +140,17 @@ class Transformed:
         entry (not only in replica entries) each compute a partial gradient of that region: the
         column-parallel linear's input, a data-parallel weight. Replicas compute copies.
         """
-        region = part.sub.inputs[input_index]
-        siblings = sorted({p.partition_index for p in self.parts[part.op]
-                           if p.sub.inputs[input_index] == region
-                           and p.replica_index == part.replica_index})
+        # one table per (operator, input) makes this linear in the operator's parts: every
+        # reader of an input asks it (64 parts of every op of GPT-3 under dp 8 x tp 8)
+        table = self._memo.get(("grad", part.op, input_index))
+        if table is None:
+            groups: dict[tuple, set[tuple[int, ...]]] = {}
+            for p in self.parts[part.op]:
+                groups.setdefault((p.sub.inputs[input_index], p.replica_index), set()).add(
+                    p.partition_index)
+            table = self._memo[("grad", part.op, input_index)] = {
+                key: sorted(found) for key, found in groups.items()}
+        siblings = table[(part.sub.inputs[input_index], part.replica_index)]
         return siblings.index(part.partition_index), len(siblings)
 
 
