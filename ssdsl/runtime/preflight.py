@@ -125,24 +125,27 @@ def verify_before_launch(spec: JobSpec, world: int, *, enabled: bool = True,
         if verdict is not None and verdict.ok:
             return _verified(verdict, start, "float64")
         m64, dtype = _plan_for_verification(spec, world)
-        try:
-            verdict = simulate_step(m64, mf, seed=spec.seed, batch_size=spec.batch_size)
-        except SimulatorCannotRun as why:
-            return Verification("not verified", str(why), time.perf_counter() - start)
-        if not verdict.ok:
-            raise _difference(m64, mf, verdict, seed=spec.seed, batch_size=spec.batch_size)
-        if m64.dtype == m.dtype:
+        verdict = _simulated(m64, mf, spec, start)
+        if isinstance(verdict, Verification) or m64.dtype == m.dtype:
             return _verified(verdict, start, dtype)
+    return _verified(_simulated(m, mf, spec, start), start, str(m.dtype).removeprefix("torch."))
+
+
+def _simulated(m: Materialized, mf: ModelFile, spec: JobSpec, start: float) -> Any:
+    """``m``'s verdict in its own dtype, or a Verification saying why the simulator did not
+    run it; raises the located difference when it trains differently."""
     try:
         verdict = simulate_step(m, mf, seed=spec.seed, batch_size=spec.batch_size)
     except SimulatorCannotRun as why:
         return Verification("not verified", str(why), time.perf_counter() - start)
     if not verdict.ok:
         raise _difference(m, mf, verdict, seed=spec.seed, batch_size=spec.batch_size)
-    return _verified(verdict, start, str(m.dtype).removeprefix("torch."))
+    return verdict
 
 
 def _verified(verdict: Any, start: float, dtype: str) -> Verification:
+    if isinstance(verdict, Verification):  # not verified: said as it is
+        return verdict
     return Verification("verified", "", time.perf_counter() - start, dtype, verdict.loss,
                         verdict.reference_loss, verdict.max_grad_error)
 
