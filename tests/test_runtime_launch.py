@@ -414,20 +414,24 @@ def test_two_jobs_at_once_do_not_clash():
         assert got == [(r, 2, (1 + 2) * float(k), [10 * k, 10 * k + 1]) for r in range(2)]
 
 
-def test_the_heartbeat_never_disturbs_a_trace_in_the_rank():
+def test_the_heartbeat_never_disturbs_a_trace_in_the_rank(tmp_path):
     """A rank's heartbeat looks at the main thread's stack while the rank traces its model. A
     frame it held across its sleep kept torch.export's fake tensors alive, and the trace then
     failed now and then ("fake tensor in the exported program constant's list"): with a beat
     every millisecond, 18 of 30 traces of examples/gpt.py failed so. The oracle is the trace
     itself, which must succeed every time."""
-    import tempfile
+    import shutil
 
     from ssdsl.runtime.launch import _start_heartbeat
     from ssdsl.trace.export import trace
     from ssdsl.trace.model_file import load_model_file
 
     mf = load_model_file(str(Path(__file__).resolve().parent.parent / "examples" / "gpt.py"))
-    with tempfile.TemporaryDirectory() as beats:  # removed at the end: the thread then stops
-        _start_heartbeat(Path(beats), 0, period_s=0.001, count_comm=False)
+    beats = tmp_path / "beats"
+    beats.mkdir()
+    _start_heartbeat(beats, 0, period_s=0.001, count_comm=False)
+    try:
         for _ in range(6):
             trace(mf, device="cpu")
+    finally:  # the thread stops at its first write after the folder is gone
+        shutil.rmtree(beats, ignore_errors=True)
