@@ -229,3 +229,30 @@ def test_cli_refuses_a_node_count_that_does_not_divide_the_world(capsys):
     from ssdsl.cli import main
     assert main(["cost", str(EXAMPLES / "gpt.py"), "dp", "--world", "3", "--nodes", "2"]) == 2
     assert "--nodes 2 does not divide --world 3" in capsys.readouterr().err
+
+
+def test_cli_costs_a_model_whose_batch_is_made_on_meta(tmp_path, capsys):
+    # A planning-only model file (a paper-scale model) makes its batch on the meta device: it
+    # has no values to compare, and the cost is the same as for the same model on the CPU.
+    import json
+
+    from ssdsl.cli import main
+    src = (EXAMPLES / "mlp.py").read_text()
+    meta = tmp_path / "mlp_meta.py"
+    meta.write_text(src + textwrap.dedent("""
+
+        _cpu_batch = get_batch
+
+
+        def get_batch(step, batch_size):
+            x, y = _cpu_batch(step, batch_size)
+            return x.to("meta"), y.to("meta")
+        """))
+    costs = []
+    for path in (EXAMPLES / "mlp.py", meta):
+        assert main(["cost", str(path), "dp", "--world", "2", "--optimizer", "sgd",
+                     "--json"]) == 0
+        costs.append(json.loads(capsys.readouterr().out))
+    assert costs[1]["step_time_s"] == pytest.approx(costs[0]["step_time_s"])
+    assert [d["peak_memory_bytes"] for d in costs[1]["devices"]] == \
+        [d["peak_memory_bytes"] for d in costs[0]["devices"]]
