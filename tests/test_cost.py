@@ -15,7 +15,7 @@ from ssdsl.cost import Cluster, CostOptions, estimate, profile, simulate_costs
 from ssdsl.cost.collectives import Link
 from ssdsl.cost.ops import work_of
 from ssdsl.cost.profiles import DeviceProfile
-from ssdsl.cost.work import PlanCosts, StaticMemory, UnitCost, step_times
+from ssdsl.cost.work import PlanCosts, StaticMemory, UnitCost, plan_costs, step_times
 from ssdsl.elaborate import elaborate_file
 from ssdsl.materialize.program import materialize
 from ssdsl.materialize.steps import AllGather, AllReduce, Message, PointToPoint
@@ -256,3 +256,62 @@ def test_cli_costs_a_model_whose_batch_is_made_on_meta(tmp_path, capsys):
     assert costs[1]["step_time_s"] == pytest.approx(costs[0]["step_time_s"])
     assert [d["peak_memory_bytes"] for d in costs[1]["devices"]] == \
         [d["peak_memory_bytes"] for d in costs[0]["devices"]]
+
+
+def _gpt_graph(tmp_path: Path, n_layer: int):
+    path = tmp_path / f"gpt_{n_layer}.py"
+    path.write_text(f"import importlib.util\n"
+                    f"_s = importlib.util.spec_from_file_location('_gpt', {str(EXAMPLES / 'gpt.py')!r})\n"
+                    "_g = importlib.util.module_from_spec(_s)\n_s.loader.exec_module(_g)\n"
+                    "BATCH_SIZE, INPUT_DIMS, get_batch = _g.BATCH_SIZE, _g.INPUT_DIMS, _g.get_batch\n"
+                    f"def build_model():\n    return _g.build_gpt(n_layer={n_layer})\n")
+    return trace(load_model_file(path), device="meta")
+
+
+RECOMPUTE_TP = """plan megatron_recompute(tp: int = world)
+use megatron_tp(tp=tp)
+recompute h.*.attn | h.*.mlp
+"""
+
+
+def _costed(graph, plan: str, world: int):
+    t, lowered = schedule_plan(graph, elaborate_file(plan, world=world, sets={}))
+    m = materialize(t, schedule=lowered)
+    opts = CostOptions(profile=FLAT, cluster=Cluster(world, 8), optimizer="sgd")
+    return plan_costs(m, opts), estimate(m, opts)
+
+
+def test_a_backward_recreates_one_recomputed_region_at_a_time(tmp_path):
+    # Each block's attention and MLP is its own recomputed region (the all-reduce after their
+    # row-parallel linear ends it), and the runtime recomputes one region at a time: what a
+    # backward re-creates does not grow with the depth, while what the forward keeps does.
+    plan = tmp_path / "megatron_recompute.ssp"
+    plan.write_text(RECOMPUTE_TP)
+    peaks = {}
+    for n_layer in (2, 4):
+        graph = _gpt_graph(tmp_path, n_layer)
+        (_, plain), (costs, rec) = _costed(graph, "megatron_tp", 2), _costed(graph, str(plan), 2)
+        kept = costs.units[(0, 0)]
+        assert kept.recompute > 0 and kept.recompute_peak > 0
+        # recomputing keeps less from forward to backward than keeping everything
+        assert rec.devices[0].peak_activations < plain.devices[0].peak_activations
+        peaks[n_layer] = (kept.recompute_peak, kept.activations)
+    assert peaks[4][0] == pytest.approx(peaks[2][0])       # one region at a time
+    assert peaks[4][1] > peaks[2][1]                        # the regions' inputs stay alive
+
+
+def test_forward_only_recycling_passes_keep_no_activations():
+    # recycle_1f1b on the recycling Evoformer: the stages the schedule phase finds forward-only
+    # (the detached passes) run under no_grad, so the cost model keeps nothing and runs no
+    # backward for them, and the trained pass's stages keep their activations.
+    graph = trace(load_model_file(EXAMPLES / "evoformer_recycle.py"), device="meta")
+    t, lowered = schedule_plan(graph, elaborate_file("recycle_1f1b", world=2, sets={}))
+    frozen = lowered.schedule.stages.forward_only
+    assert frozen
+    costs = plan_costs(materialize(t, schedule=lowered),
+                       CostOptions(profile=FLAT, cluster=Cluster(2, 8), optimizer="sgd"))
+    for (_device, stage), c in costs.units.items():
+        if stage in frozen:
+            assert c.activations == 0 and c.bwd_compute == 0 and c.fwd_compute > 0
+        else:
+            assert c.activations > 0 and c.bwd_compute > 0

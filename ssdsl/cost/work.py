@@ -23,6 +23,7 @@ from ssdsl.cost.collectives import (Link, all_gather_time, all_reduce_time, coll
                                     link_for, p2p_time, reduce_scatter_time)
 from ssdsl.cost.ops import VIEW_KINDS, Work, aten_name, item_bytes, work_of
 from ssdsl.cost.profiles import Cluster, DeviceProfile
+from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.materialize.program import Materialized
 from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
@@ -112,16 +113,6 @@ def plan_costs(m: Materialized, opts: CostOptions) -> PlanCosts:
 # ------------------------------------------------------------------------------ compute
 
 
-def _grad_tensors(m: Materialized) -> set[str]:
-    """Tensors that carry a gradient: parameters and what is computed from them."""
-    g = m.transformed.graph
-    found = set(g.params)
-    for op in g.ops:
-        if any(x in found for x in op.inputs):
-            found.update(x for x in op.outputs if _is_float(g, x))
-    return found
-
-
 def _is_float(g, tensor: str) -> bool:
     return "float" in g.tensors[tensor].dtype or "complex" in g.tensors[tensor].dtype
 
@@ -154,18 +145,31 @@ def _part_time(w: Work, opts: CostOptions, *, backward: bool) -> float:
 def _compute(m: Materialized, opts: CostOptions, units) -> None:
     t = m.transformed
     g = t.graph
-    grads = _grad_tensors(m)
+    # Backward runs through an operator only when an output's gradient reaches the loss: a
+    # recycling pass before a .detach() (a forward-only stage) keeps nothing and has no backward.
+    grads = loss_grad_tensors(g)
     recompute = recomputed_ops(m)
     producer = {x: op for op in g.ops for x in op.outputs}
     base = _view_bases(g)
     saved: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
-    re_saved: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+    # What a recomputed region re-creates, per region: (device, stage, run, part chunk). The
+    # runtime recomputes each run of selected operators between two others (a communication
+    # point among them) as one region, and co-shard's stretches part by part, so a backward
+    # re-creates one region at a time: its peak is the largest region's, not their sum.
+    re_saved: dict[tuple[int, int, int, int], dict[str, float]] = defaultdict(dict)
+    run: dict[tuple[int, int], int] = defaultdict(int)
     for op in g.ops:
         ann = t.annotations[op.name]
         ann = ann if isinstance(ann, Annotation) else None
-        needs_bwd = any(x in grads for x in op.inputs)
+        needs_bwd = any(x in grads for x in op.outputs)
         stage = t.stage(op.name)
+        chunk: dict[int, int] = defaultdict(int)
+        is_view = aten_name(op.target) in VIEW_KINDS
         for part in t.parts[op.name]:
+            if op.name not in recompute and not is_view:
+                run[(part.device, stage)] += 1  # an operator outside ends the region
+            region = (part.device, stage, run[(part.device, stage)], chunk[part.device])
+            chunk[part.device] += 1
             w = work_of(g, op, ann, part, itemsize=opts.itemsize,
                         flash=opts.profile.flash_attention)
             if w.matmul:
@@ -177,12 +181,12 @@ def _compute(m: Materialized, opts: CostOptions, units) -> None:
             if needs_bwd:
                 u["bwd_compute"] += _part_time(w, opts, backward=True)
                 u["flops"] += w.bwd_flops
-            kept = re_saved if op.name in recompute else saved
             if op.name in recompute:
                 u["recompute"] += fwd
                 u["flops"] += w.flops
-            if needs_bwd and aten_name(op.target) not in VIEW_KINDS:
-                _keep(kept[(part.device, stage)], g, op, part, base, opts, grads, w)
+            if needs_bwd and not is_view:
+                _keep(re_saved[region] if op.name in recompute else saved[(part.device, stage)],
+                      g, op, part, base, opts, grads, w)
                 if op.name in recompute:  # a segment's inputs from outside it stay alive
                     for x, r in zip(op.inputs, part.sub.inputs):
                         src = producer.get(base.get(x, x))
@@ -194,8 +198,9 @@ def _compute(m: Materialized, opts: CostOptions, units) -> None:
                             d[key] = max(d.get(key, 0.0), size)
     for key, kept in saved.items():
         units[key]["activations"] += sum(kept.values())
-    for key, kept in re_saved.items():
-        units[key]["recompute_peak"] += sum(kept.values())
+    for (device, stage, _run, _chunk), kept in re_saved.items():
+        u = units[(device, stage)]
+        u["recompute_peak"] = max(u["recompute_peak"], sum(kept.values()))
 
 
 def _matmul_grad_share(w: Work, op, grads: set[str]) -> Work:
