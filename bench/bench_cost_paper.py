@@ -2,6 +2,7 @@
 
     python bench/bench_cost_paper.py                       # all models, 32 x V100, float16
     python bench/bench_cost_paper.py --only swin --device a100
+    python bench/bench_cost_paper.py --compare             # co-shard, 3F1B against baselines
 
 Each model file under ``bench/paper/`` is traced once on the meta device; every plan is
 applied, materialized and costed by ``ssdsl.cost`` (the same path as ``ssdsl cost``). A plan that
@@ -50,6 +51,76 @@ def plans(names: dict[str, str], world: int, batch: int) -> list[tuple[str, str,
     ]
 
 
+def comparisons() -> list[tuple[str, int, int, str, str, dict]]:
+    """The paper's plans next to the plans they are measured against: (model, world, batch,
+    label, plan, --set values). Swin on one node of 8 (co-shard is tensor parallelism cut finer,
+    so it is compared with Megatron at the same tp; data parallelism across nodes adds the same
+    gradient all-reduce to both); the recycling Evoformer on a 4-stage pipeline."""
+    recompute = str(PAPER / "megatron_recompute.ssp")
+    gpipe_recycle = str(PAPER / "gpipe_recycle.ssp")
+    out = []
+    for batch in (1, 2):
+        out += [("swin", 8, batch, "megatron_tp (tp=8)", "megatron_tp", dict(SWIN_NAMES)),
+                ("swin", 8, batch, "megatron_tp + recompute of attention and MLP", recompute,
+                 dict(SWIN_NAMES)),
+                ("swin", 8, batch, "coshard (tp=8, colocate=2)", "coshard",
+                 {"colocate": "2", **SWIN_NAMES})]
+    # what Megatron needs to hold co-shard's batch of 2: twice the devices, over two nodes
+    out.append(("swin", 16, 2, "megatron_tp (tp=16, two nodes)", "megatron_tp",
+                dict(SWIN_NAMES)))
+    for mb in (8, 16):
+        out += [("evoformer_recycle", 4, 16, f"GPipe with recycling (4 stages, {mb} mb)",
+                 gpipe_recycle, {"microbatches": str(mb)}),
+                ("evoformer_recycle", 4, 16, f"3F1B, recycle_1f1b (4 stages, {mb} mb)",
+                 "recycle_1f1b", {"microbatches": str(mb)})]
+    return out
+
+
+def _cost(graph, plan: str, world: int, sets: dict, opts: CostOptions, prof) -> dict:
+    row: dict = {}
+    try:
+        t, lowered = schedule_plan(graph, elaborate_file(plan, world=world, sets=sets))
+        r = estimate(materialize(t, schedule=lowered), opts)
+        row.update(step_s=r.step_time, bubble=r.bubble, comm_s=r.communication,
+                   peak_GB=r.peak_memory / 1e9, fits=r.peak_memory <= prof.memory)
+    except SsdslError as err:
+        row["error"] = str(err).splitlines()[0][:160]
+    return row
+
+
+def compare(a) -> None:
+    prof = profile(a.device)
+    rows, graphs = [], {}
+    for name, world, batch, label, plan, sets in comparisons():
+        if a.only and a.only != name:
+            continue
+        if (name, batch) not in graphs:
+            t0 = time.perf_counter()
+            mf = load_model_file(PAPER / f"{name}.py")
+            graphs[(name, batch)] = trace(mf, device="meta", batch_size=batch)
+            print(f"# {name} batch {batch}: traced in {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+        opts = CostOptions(profile=prof, cluster=Cluster(world, prof.per_node), dtype=a.dtype,
+                           optimizer="adamw")
+        t0 = time.perf_counter()
+        row = {"model": name, "world": world, "batch": batch, "plan": label,
+               **_cost(graphs[(name, batch)], plan, world, sets, opts, prof),
+               "plan_s": time.perf_counter() - t0}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{prof.name}, {a.dtype}, AdamW\n")
+    print("| model | devices | batch | plan | step (s) | bubble | comm (s) | peak memory (GB) |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        head = f"| {r['model']} | {r['world']} | {r['batch']} | {r['plan']} |"
+        if "error" in r:
+            print(f"{head} refused: {r['error']} | | | |")
+            continue
+        fit = "" if r["fits"] else " (over)"
+        print(f"{head} {r['step_s']:.3g} | {r['bubble']:.0%} | {r['comm_s']:.3g} | "
+              f"{r['peak_GB']:.3g}{fit} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="v100")
@@ -57,7 +128,12 @@ def main() -> None:
     p.add_argument("--dtype", default="float16")
     p.add_argument("--only", default=None)
     p.add_argument("--plan", default=None, help="only plans whose label contains this")
+    p.add_argument("--compare", action="store_true",
+                   help="the paper's plans (co-shard, 3F1B) next to their baselines instead")
     a = p.parse_args()
+    if a.compare:
+        compare(a)
+        return
     prof = profile(a.device)
     opts = CostOptions(profile=prof, cluster=Cluster(a.world, prof.per_node), dtype=a.dtype,
                        optimizer="adamw")

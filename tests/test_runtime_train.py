@@ -7,6 +7,8 @@ and ``run_reference`` on one device (for the 2-rank loop, itself tested against 
 
 from __future__ import annotations
 
+import inspect
+
 import io
 import json
 import textwrap
@@ -76,6 +78,13 @@ def test_optimizer_spec_takes_the_model_files_learning_rate(mf, tmp_path):
     plain = tmp_path / "plain.py"
     plain.write_text(NO_OPT_MODEL)
     assert model_lr(load_model_file(plain)) == 0.01
+    # a model file whose optimizer is SGD: --optimizer adamw takes AdamW's own default rate (an
+    # SGD rate is a step in gradient units, AdamW's in parameter units); --optimizer sgd its own
+    adamw_plain = build_optimizer(OptimizerSpec("adamw"), load_model_file(plain), params)
+    assert adamw_plain.param_groups[0]["lr"] == \
+        inspect.signature(torch.optim.AdamW).parameters["lr"].default
+    assert build_optimizer(OptimizerSpec("sgd"), load_model_file(plain),
+                           params).param_groups[0]["lr"] == 0.01
     with pytest.raises(UnknownOptimizer, match="unknown optimizer 'lamb'"):
         OptimizerSpec("lamb")
 

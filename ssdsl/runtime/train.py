@@ -15,6 +15,7 @@ and the launcher shows the events with ``ssdsl.runtime.progress`` (or collects t
 
 from __future__ import annotations
 
+import inspect
 import json
 import resource
 import statistics
@@ -47,7 +48,9 @@ class OptimizerSpec:
     ``kind``: ``"model"`` (the model file's ``make_optimizer``, SGD(lr=0.01) when it has none),
     ``"sgd"`` (plain SGD: no momentum, no weight decay), or ``"adamw"`` (torch defaults).
     ``lr``: for sgd/adamw; ``None`` takes the learning rate of the model file's optimizer, so that
-    ``--optimizer sgd`` checks the same model with the same step size.
+    ``--optimizer sgd`` checks the same model with the same step size; for adamw only when that
+    optimizer is of Adam's kind (its step is in parameter units, SGD's in gradient units: an SGD
+    rate of 0.3 would move every weight by about 0.3 a step), else AdamW's own default.
     """
 
     kind: str = "model"
@@ -70,15 +73,25 @@ def build_optimizer(spec: OptimizerSpec, model_file: ModelFile,
     params = list(params)
     if spec.kind == "model":
         return model_file.make_optimizer(params)
-    lr = spec.lr if spec.lr is not None else model_lr(model_file)
-    if spec.kind == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    return torch.optim.AdamW(params, lr=lr)
+    cls = torch.optim.SGD if spec.kind == "sgd" else torch.optim.AdamW
+    lr = spec.lr if spec.lr is not None else model_lr(model_file, cls)
+    return cls(params, lr=lr)
 
 
-def model_lr(model_file: ModelFile) -> float:
-    """The learning rate of the model file's optimizer (its first parameter group)."""
+# Optimizers whose step divides by a running gradient scale: their learning rate is a step in
+# parameter units, and carries over between them.
+_ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
+             torch.optim.Adamax)
+
+
+def model_lr(model_file: ModelFile, for_optimizer: type | None = None) -> float:
+    """The learning rate of the model file's optimizer (its first parameter group); for an
+    adaptive ``for_optimizer`` (AdamW) only when the model's optimizer is adaptive too, else
+    ``for_optimizer``'s own default."""
     probe = model_file.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
+    if for_optimizer is not None and issubclass(for_optimizer, _ADAPTIVE) \
+            and not isinstance(probe, _ADAPTIVE):
+        return float(inspect.signature(for_optimizer).parameters["lr"].default)
     lr = probe.param_groups[0].get("lr", _DEFAULT_LR)
     return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
 
