@@ -4,6 +4,8 @@ seeded single-device model's values; ranks plan from a trace on ``meta``."""
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 import pytest
@@ -139,7 +141,7 @@ def _threads_share_a_state(monkeypatch, write, n: int = 2):
     def rank(r: int) -> None:
         try:
             got[r] = init.shared_state_file(mf, seed=3, local_rank=r, barrier=gate.wait,
-                                            key=f"threads-{id(got)}")
+                                            key=f"threads-{os.getpid()}-{id(got)}")
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             got[r] = exc
             gate.abort()
