@@ -109,3 +109,20 @@ def test_plan_error_exits_2_with_position(tmp_path, capsys):
     assert first.startswith(f"{plan}:2:1: ") or first.startswith("bad.ssp:2:1: "), err
     assert "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_summary_counts_every_instruction_that_talks_to_other_ranks(tmp_path, capsys):
+    # ZeRO-3 has no adapter between operators (dp) but gathers, reduces and sums the loss: the
+    # summary counts what the written program file holds, instruction by instruction.
+    import re
+    rc, out, _ = _compile(["examples/gpt.py", "dp_zero", "--set", "stage=3", "--world", "2"],
+                          tmp_path, capsys)
+    assert rc == 0
+    text = (tmp_path / "rank0.program").read_text()
+    count = {k: len(re.findall(rf"^{k}\(", text, re.M))
+             for k in ("comm", "reduce", "gather_params", "loss_sum")}
+    assert count["gather_params"] > 0 and count["reduce"] > 0
+    line = next(x for x in out.splitlines() if "rank0.py" in x)
+    assert f"({sum(count.values())} communication steps:" in line
+    assert f"{count['reduce']} gradient buckets" in line
+    assert f"{count['gather_params']} ZeRO-3 parameter gathers" in line

@@ -10,6 +10,7 @@ ssdsl did not generate is refused. ``ssdsl run MODEL PLAN --compiled DIR`` runs 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import sys
 from typing import Any
@@ -51,11 +52,23 @@ def run(args: argparse.Namespace) -> int:
     for path in write_programs(args.output, texts):
         if path.suffix == ".py":
             p = programs[int(path.stem.removeprefix("rank"))]
-            comm = sum(1 for i in p.instructions if i.kind == "comm")
-            calls = sum(1 for i in p.instructions if i.kind == "call")
-            print(f"wrote {path}  ({comm} communication steps, {calls} local calls, "
-                  f"{len(p)} instructions)", file=sys.stdout)
+            kinds = collections.Counter(i.kind for i in p.instructions)
+            talks = [(kinds[k], what) for k, what in _COMMUNICATION if kinds[k]]
+            detail = f": {', '.join(_counted(n, what) for n, what in talks)}" if talks else ""
+            print(f"wrote {path}  ({sum(n for n, _ in talks)} communication steps{detail}; "
+                  f"{kinds['call']} local calls; {len(p)} instructions)", file=sys.stdout)
     return 0
+
+
+# The instructions that talk to other ranks, as the summary line names them.
+_COMMUNICATION = (("comm", "adapter step"), ("reduce", "gradient bucket"),
+                  ("gather", "weight gather after the step"),
+                  ("gather_params", "ZeRO-3 parameter gather"), ("loss_sum", "loss sum"))
+
+
+def _counted(n: int, what: str) -> str:
+    head, _, tail = what.partition(" after")
+    return f"{n} {head}{'s' if n != 1 else ''}{' after' + tail if tail else ''}"
 
 
 def _program_file(p) -> str:
