@@ -96,28 +96,27 @@ def _stage_groups(directives: Sequence[object], st: Stages) -> list[tuple[int, .
             errors.add(UnassignedStage(f"stage {st.name}[{i}] is not assigned to any device",
                                        st.span, hint=f"add 'assign {st.name}[{i}] to device N'"))
     errors.raise_if_any()
-    # A device runs the program of one pipeline rank: stages on the same group share a rank
-    # (interleaved chunks), stages on disjoint groups are different ranks. A group that
-    # overlaps another (one stage on devices 0..4, the next on device 0 alone: the interlaced
-    # pipeline) would put a device in two ranks, which nothing merges into one program yet.
-    seen: dict[tuple[int, ...], tuple[int, Span]] = {}
-    for i in range(st.count):
-        devs, span = groups[i]
-        for other, (j, other_span) in seen.items():
-            shared = sorted(set(devs) & set(other))
-            if shared and other != devs:
-                errors.add(OverlappingStageGroups(
-                    f"stage {st.name}[{i}] is assigned to devices {list(devs)}, which share "
-                    f"device{'s' if len(shared) > 1 else ''} {', '.join(map(str, shared))} with "
-                    f"the devices {list(other)} of stage {st.name}[{j}] (line {other_span.line}); "
-                    "a device runs one pipeline rank's units", span,
-                    hint="assign each stage to the same device group as the stages it shares "
-                    "devices with, or to devices no other stage uses (a stage that runs on all "
-                    "devices inside a pipeline, the interlaced pipeline, is not supported yet)"))
-                break
-        seen.setdefault(devs, (i, span))
-    errors.raise_if_any()
     return [groups[i][0] for i in range(st.count)]
+
+
+def _classes(groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The devices of the stage groups, grouped by the stages they run: each class is a
+    pipeline rank, whose devices all run the same program.
+
+    Stage groups that are equal or disjoint are their own classes (every pipeline before the
+    interlaced one). Groups that overlap (the embedding on devices 0..4, stage 1 on device 0)
+    split into the classes of devices that run the same stages: there a device's program holds
+    the units of every stage whose group contains it, and a stage whose group holds several
+    classes is *shared* by them (``StageGraph.hosts``).
+    """
+    member: dict[int, list[int]] = defaultdict(list)
+    for i, g in enumerate(groups):
+        for dev in g:
+            member[dev].append(i)
+    by_sig: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for dev in sorted(member):
+        by_sig[tuple(member[dev])].append(dev)
+    return sorted((tuple(c) for c in by_sig.values()), key=lambda c: (min(c), c))
 
 
 def _unit(wu: WorkUnit, st: Stages, span: Span) -> Unit:
@@ -131,8 +130,13 @@ def _unit(wu: WorkUnit, st: Stages, span: Span) -> Unit:
 
 
 def _rank_of(groups: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
-    # Ranks in order of first device, so a plain pipeline keeps rank == device.
-    return {g: r for r, g in enumerate(sorted(set(groups), key=lambda g: (min(g), g)))}
+    # Ranks (device classes) in order of first device, so a plain pipeline keeps rank == device.
+    return {c: r for r, c in enumerate(_classes(groups))}
+
+
+def _hosts(group: tuple[int, ...], rank: dict[tuple[int, ...], int]) -> tuple[int, ...]:
+    """The ranks whose devices make up ``group``, in rank order."""
+    return tuple(sorted(r for c, r in rank.items() if set(c) <= set(group)))
 
 
 def lower_schedule(directives: Sequence[object], *,
@@ -149,12 +153,13 @@ def lower_schedule(directives: Sequence[object], *,
         return None
     groups = _stage_groups(directives, st)
     rank = _rank_of(groups)
-    graph = StageGraph([rank[g] for g in groups],
+    hosts = [_hosts(g, rank) for g in groups]
+    graph = StageGraph([h[0] for h in hosts],
                        edges if edges is not None else [(i, i + 1) for i in range(st.count - 1)],
-                       forward_only)
+                       forward_only, hosts=hosts)
     mbs = [d.count for d in directives if isinstance(d, Microbatch)]
     m = mbs[-1] if mbs else 1
-    seqs, befores = _orders(directives, st, rank)
+    seqs, befores = _orders(directives, st, rank, groups)
     split = any(u.kind in (Pass.I, Pass.W) for _, us in seqs.items() for u, _ in us) or \
         any(u.kind in (Pass.I, Pass.W) for b in befores for u in b[:2])
     programs = _programs(graph, m, split, seqs, befores)
@@ -166,7 +171,8 @@ def lower_schedule(directives: Sequence[object], *,
 _Before = tuple[Unit, Unit, Span]
 
 
-def _orders(directives: Sequence[object], st: Stages, rank: dict[tuple[int, ...], int]
+def _orders(directives: Sequence[object], st: Stages, rank: dict[tuple[int, ...], int],
+            groups: list[tuple[int, ...]]
             ) -> tuple[dict[int, list[tuple[Unit, Span]]], list[_Before]]:
     seqs: dict[int, list[tuple[Unit, Span]]] = defaultdict(list)
     befores: list[_Before] = []
@@ -174,20 +180,26 @@ def _orders(directives: Sequence[object], st: Stages, rank: dict[tuple[int, ...]
     for d in directives:
         with errors.catch():
             if isinstance(d, OrderSequence):
-                r = _sequence_rank(d, rank)
-                seqs[r] += [(_unit(wu, st, d.span), d.span) for wu in d.units]
+                units = [(_unit(wu, st, d.span), d.span) for wu in d.units]
+                for r in _sequence_ranks(d, rank, groups):
+                    seqs[r] += units
             elif isinstance(d, OrderBefore):
                 befores.append((_unit(d.before, st, d.span), _unit(d.after, st, d.span), d.span))
     errors.raise_if_any()
     return seqs, befores
 
 
-def _sequence_rank(d: OrderSequence, rank: dict[tuple[int, ...], int]) -> int:
+def _sequence_ranks(d: OrderSequence, rank: dict[tuple[int, ...], int],
+                    groups: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The ranks an ``order on devices G`` sequence joins: G's own rank, each rank of G when G is
+    a stage's group made of several (a shared stage), or the rank of the one device G names."""
     if d.devices in rank:
-        return rank[d.devices]
+        return (rank[d.devices],)
+    if d.devices in groups:
+        return _hosts(d.devices, rank)
     owners = [g for g in rank if set(d.devices) <= set(g)]
     if len(owners) == 1 and len(d.devices) == 1:
-        return rank[owners[0]]
+        return (rank[owners[0]],)
     raise UnsupportedOrderUnit(
         f"order on devices {list(d.devices)}: no stage is assigned to exactly this device group",
         d.span, hint="order on the same devices a stage is assigned to")
@@ -209,12 +221,15 @@ def _programs(g: StageGraph, m: int, split: bool, seqs: dict[int, list[tuple[Uni
 
 
 def _check_befores(progs: list[Program], befores: list[_Before]) -> None:
-    pos = {u: (p.device, k) for p in progs for k, u in enumerate(p.units)}
+    # A unit of a shared stage is in several programs: each of them must keep the order.
+    pos = [{u: k for k, u in enumerate(p.units)} for p in progs]
     errors = ErrorCollector()
     for a, b, span in befores:
-        if a in pos and b in pos and pos[a][0] == pos[b][0] and pos[a][1] > pos[b][1]:
-            errors.add(OrderConflict(f"'{a} before {b}' contradicts the order on device "
-                                     f"{pos[a][0]}, which runs {b} first", span))
+        for p, at in zip(progs, pos):
+            if a in at and b in at and at[a] > at[b]:
+                errors.add(OrderConflict(f"'{a} before {b}' contradicts the order on device "
+                                         f"{p.device}, which runs {b} first", span))
+                break
     errors.raise_if_any()
 
 
@@ -256,7 +271,8 @@ def _default_order(g: StageGraph, m: int, split: bool, seqs: dict[int, list[tupl
     while heap:
         _, u = heapq.heappop(heap)
         done += 1
-        out[g.devices[u.stage]].append((u, span_of.get(u)))
+        for h in g.hosts[u.stage]:
+            out[h].append((u, span_of.get(u)))
         for v in succ[u]:
             indeg[v] -= 1
             if indeg[v] == 0:
@@ -267,7 +283,8 @@ def _default_order(g: StageGraph, m: int, split: bool, seqs: dict[int, list[tupl
         # The cycle runs through order sequences only: the checker reports those, at their
         # statements; finish the default order so that it can.
         for u in left:
-            out[g.devices[u.stage]].append((u, span_of.get(u)))
+            for h in g.hosts[u.stage]:
+                out[h].append((u, span_of.get(u)))
     return out
 
 
