@@ -212,12 +212,52 @@ def _programs(g: StageGraph, m: int, split: bool, seqs: dict[int, list[tuple[Uni
     progs = []
     for r in range(g.num_devices):
         if r in seqs:
-            units, spans = zip(*seqs[r]) if seqs[r] else ((), ())
+            seq = _interlace(g, split, seqs[r])
+            units, spans = zip(*seq) if seq else ((), ())
             progs.append(Program(r, units, spans))
         else:
             progs.append(Program(r, [u for u, _ in auto[r]], [s for _, s in auto[r]]))
     _check_befores(progs, befores)
     return progs
+
+
+def _interlace(g: StageGraph, split: bool, seq: list[tuple[Unit, Span]]
+               ) -> list[tuple[Unit, Span]]:
+    """A rank's sequence with the units of shared stages interlaced into those of its own.
+
+    The shared units keep their order, the rank's own units theirs; each own unit runs right
+    after the shared units it depends on (through any chain of data dependencies) have run,
+    and the shared units left over run at the end. So the embedding's forward of micro-batch
+    i runs on every device right before the forward that needs it, and its backward after the
+    first stage's backward of i, wherever each device's own stages are in their schedule.
+    """
+    shared = [(u, sp) for u, sp in seq if g.shared(u.stage)]
+    if not shared or len(shared) == len(seq):
+        return seq
+    pos = {u: k for k, (u, _) in enumerate(shared)}
+    need: dict[Unit, int] = {}
+
+    def last_needed(u: Unit) -> int:
+        # The last position of a shared unit that u depends on, directly or not (-1: none).
+        if u not in need:
+            most = -1
+            for dep in data_deps(u, g, split_backward=split):
+                if dep in pos:
+                    most = max(most, pos[dep])
+                most = max(most, last_needed(dep))
+            need[u] = most
+        return need[u]
+
+    out: list[tuple[Unit, Span]] = []
+    done = 0
+    for u, sp in seq:
+        if g.shared(u.stage):
+            continue
+        upto = last_needed(u)
+        out += shared[done:upto + 1]
+        done = max(done, upto + 1)
+        out.append((u, sp))
+    return out + shared[done:]
 
 
 def _check_befores(progs: list[Program], befores: list[_Before]) -> None:
