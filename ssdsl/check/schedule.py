@@ -189,6 +189,10 @@ def _check_complete(schedule: Schedule, seen: dict[Unit, Span | None]) -> None:
     errors.raise_if_any()
 
 
+def _nth(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
 def _check_shared_order(schedule: Schedule) -> None:
     """Devices that both run units of shared stages run the units they share in one order."""
     g = schedule.stages
@@ -211,8 +215,8 @@ def _check_shared_order(schedule: Schedule) -> None:
             errors.add(SharedOrderMismatch(
                 f"devices {p.device} and {q.device} run the units of stage"
                 f"{'s' if len(common) > 1 else ''} {', '.join(map(str, common))} in different "
-                f"orders: after the same {at} unit{'s' if at != 1 else ''}, device {p.device} "
-                f"runs {a} and device {q.device} runs {b}", [sa, sb],
+                f"orders: the {_nth(at + 1)} of them is {a} on device {p.device} but {b} on "
+                f"device {q.device}", [sa, sb],
                 hint="the devices of a shared stage meet in each of its units (its collectives): "
                      "order them alike on every device, e.g. from one loop"))
     errors.raise_if_any()

@@ -166,8 +166,10 @@ def check_batch_deterministic(mf: ModelFile, batch_size: int | None) -> None:
     first, second = (_with_global_seed(seed, lambda: mf.get_batch(0, batch_size))
                      for seed in (1_234_567, 7_654_321))
     a, b = (*first[0], first[1]), (*second[0], second[1])
+    # A batch on the meta device (costing a paper-scale model) has no values to compare.
     if len(a) != len(b) or any(x.shape != y.shape or x.dtype != y.dtype or
-                               not torch.equal(x, y) for x, y in zip(a, b)):
+                               (x.device.type != "meta" and not torch.equal(x, y))
+                               for x, y in zip(a, b)):
         raise NonDeterministicBatch(
             "get_batch(0, batch_size) returned two different batches: every rank calls it and "
             "must get the same batch", def_span(mf.path, mf.get_batch_fn), file=mf.path,
