@@ -210,15 +210,74 @@ def _programs(g: StageGraph, m: int, split: bool, seqs: dict[int, list[tuple[Uni
     needs_auto = any(r not in seqs for r in range(g.num_devices))
     auto = _default_order(g, m, split, seqs, befores) if needs_auto else {}
     progs = []
+    timed = _interlace_by_time(g, split, seqs)
     for r in range(g.num_devices):
         if r in seqs:
-            seq = _interlace(g, split, seqs[r])
+            seq = timed[r] if timed is not None else _interlace(g, split, seqs[r])
             units, spans = zip(*seq) if seq else ((), ())
             progs.append(Program(r, units, spans))
         else:
             progs.append(Program(r, [u for u, _ in auto[r]], [s for _, s in auto[r]]))
     _check_befores(progs, befores)
     return progs
+
+
+_TIME = {Pass.F: 1.0, Pass.B: 2.0, Pass.I: 1.0, Pass.W: 1.0}
+
+
+def _interlace_by_time(g: StageGraph, split: bool, seqs: dict[int, list[tuple[Unit, Span]]]
+                       ) -> dict[int, list[tuple[Unit, Span]]] | None:
+    """Every rank's sequence with the units of shared stages put where they fall in time.
+
+    The ranks' own units run in their order (F = 1, B = 2, I = W = 1), each when its data is
+    there; a shared unit takes no time and happens when its inputs are there and the shared
+    units before it (in each rank's shared order) have happened. On each rank a shared unit
+    then runs right before the first own unit that starts at its time or later. So the head's
+    forward of micro-batch k lands on the first stage's device among the forwards it runs while
+    k reaches the last stage, not after its next backward. ``None`` when nothing is shared, or
+    when the orders contradict each other (a cycle: ``_interlace`` then keeps each rank's own
+    reading, and the checker reports the conflict at the statements).
+    """
+    if not any(g.shared(s) for s in range(g.num_stages)):
+        return None
+    own = {r: [(u, sp) for u, sp in seq if not g.shared(u.stage)] for r, seq in seqs.items()}
+    shared = {r: [(u, sp) for u, sp in seq if g.shared(u.stage)] for r, seq in seqs.items()}
+    if not any(own.values()) or not any(shared.values()):
+        return None
+    preds: dict[Unit, set[Unit]] = defaultdict(set)
+    units: set[Unit] = set()
+    for seq in list(own.values()) + list(shared.values()):
+        units.update(u for u, _ in seq)
+        for (a, _), (b, _) in zip(seq, seq[1:]):
+            preds[b].add(a)
+    for u in units:
+        preds[u].update(d for d in data_deps(u, g, split_backward=split) if d in units)
+    succ: dict[Unit, list[Unit]] = defaultdict(list)
+    indeg = {u: len(preds[u]) for u in units}
+    for b in units:
+        for a in preds[b]:
+            succ[a].append(b)
+    ready = sorted(u for u in units if indeg[u] == 0)
+    start: dict[Unit, float] = {}
+    end: dict[Unit, float] = {}
+    done = 0
+    while ready:
+        u = ready.pop()
+        done += 1
+        start[u] = max((end[a] for a in preds[u]), default=0.0)
+        end[u] = start[u] + (0.0 if g.shared(u.stage) else _TIME[u.kind])
+        for v in succ[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                ready.append(v)
+    if done < len(units):
+        return None
+    out = {}
+    for r, seq in seqs.items():
+        keyed = [((start[u], 1, k), (u, sp)) for k, (u, sp) in enumerate(own[r])]
+        keyed += [((start[u], 0, k), (u, sp)) for k, (u, sp) in enumerate(shared[r])]
+        out[r] = [item for _, item in sorted(keyed, key=lambda x: x[0])]
+    return out
 
 
 def _interlace(g: StageGraph, split: bool, seq: list[tuple[Unit, Span]]
