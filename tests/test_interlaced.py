@@ -54,7 +54,7 @@ def _graph(model: Path = GPT):
     return trace(load_model_file(str(model)), device="meta")
 
 
-@pytest.mark.parametrize("p, m", [(2, 4), (3, 3), (4, 8), (4, 3)])
+@pytest.mark.parametrize("p, m", [(p, m) for p in range(2, 9) for m in sorted({1, p, 2 * p})])
 def test_each_device_runs_the_shared_stages_and_its_own(p, m):
     low = _lowered(p, microbatches=m)
     check_schedule(low.schedule)
