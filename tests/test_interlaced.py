@@ -231,3 +231,28 @@ def test_gloo_run_matches_the_reference(capsys, world):
     assert code == 0
     worst = {w["what"]: w["error"] for w in out["check"]["worst"]}
     assert worst["loss"] < 1e-9 and worst["param"] < 1e-9
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8)])
+def test_the_cost_simulator_agrees_with_the_schedule_simulator(p, m):
+    """Two simulators written apart (``ssdsl.cost`` over ranks with per-device unit costs, and
+    ``ssdsl.schedule.simulate``): with F = 1 and B = 2 everywhere they give the interlaced
+    schedule one makespan, and each shared unit starts at one time on all its ranks."""
+    from ssdsl.cost import Cluster, CostOptions, simulate_costs
+    from ssdsl.cost.work import PlanCosts, StaticMemory, UnitCost
+    from tests.test_cost import FLAT
+    s = _lowered(p, microbatches=m).schedule
+    g = s.stages
+    units = {(d, st): UnitCost(fwd_compute=1.0, bwd_compute=2.0)
+             for st in range(g.num_stages) for d in g.hosts[st]}
+    zero = {d: 0.0 for d in range(p)}
+    costs = PlanCosts(units, {}, {}, zero, zero, {d: StaticMemory(0, 0, 0) for d in range(p)},
+                      tuple(range(p)))
+    r = simulate_costs(costs, s, tuple((d,) for d in range(p)), CostOptions(
+        profile=FLAT, cluster=Cluster(p, 8)))
+    assert r.makespan == pytest.approx(simulate(s).makespan)
+    starts: dict[Unit, set[float]] = {}
+    for iv in r.intervals:
+        starts.setdefault(iv.unit, set()).add(iv.start)
+    assert all(len(v) == 1 for v in starts.values())
+    assert {iv.rank for iv in r.intervals if iv.unit == Unit(0, Pass.F, 0)} == set(range(p))

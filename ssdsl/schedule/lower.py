@@ -5,9 +5,14 @@
   group G. Stages whose groups are equal share a pipeline rank (interleaved chunks); a group of
   several devices (a stage that is also data- or tensor-parallel) is one *pipeline rank* whose
   devices all run the same program, so the schedule is built over ranks: ``Lowered.groups[r]``
-  are the devices of rank r.
-- ``order on devices G: ...`` sequences concatenate, in plan order, into the program of G's rank;
-  every unit keeps the span of its statement, so the checker's errors point at it.
+  are the devices of rank r. Groups that overlap without being equal (the interlaced pipeline:
+  the embedding on devices 0..4, stage 1 on device 0) split into *device classes*, the devices
+  that run the same stages (``_classes``): each class is a rank, and a stage whose group holds
+  several is *shared* by them (``StageGraph.hosts``): each runs all its units.
+- ``order on devices G: ...`` sequences concatenate, in plan order, into the program of G's rank
+  (of each of its ranks when G is a shared stage's group); every unit keeps the span of its
+  statement, so the checker's errors point at it. On a rank that runs shared and own stages
+  the two sequences are interlaced by time (``_interlace_by_time``).
 - A rank with no sequence gets the default order: a topological order of data edges plus the
   ``a before b`` edges, GPipe-like where they leave a choice (forwards first, by micro-batch).
   On ranks with a sequence, ``a before b`` is checked against it (``OrderConflict``).
@@ -52,10 +57,6 @@ class UnsupportedOrderUnit(LowerError):
 
 class OrderConflict(LowerError):
     """An ``a before b`` statement contradicts an order sequence or the data dependencies."""
-
-
-class OverlappingStageGroups(LowerError):
-    """Two stages on device groups that share devices without being the same group."""
 
 
 class SeveralPipelines(LowerError):
