@@ -117,7 +117,10 @@ def _classes(groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     by_sig: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for dev in sorted(member):
         by_sig[tuple(member[dev])].append(dev)
-    return sorted((tuple(c) for c in by_sig.values()), key=lambda c: (min(c), c))
+    # a class that is a whole group keeps the group's device order (Lowered.groups did before)
+    as_given = {frozenset(g): g for g in groups}
+    classes = [as_given.get(frozenset(c), tuple(c)) for c in by_sig.values()]
+    return sorted(classes, key=lambda c: (min(c), c))
 
 
 def _unit(wu: WorkUnit, st: Stages, span: Span) -> Unit:
