@@ -73,7 +73,11 @@ def main() -> None:
         nparams = sum(graph.tensors[t].numel for t in graph.params)
         print(f"# {name}: {len(graph.ops)} ops, {nparams / 1e9:.2f}B parameters, traced in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
-        for label, plan, sets in plans(names, a.world, mf.batch_size):
+        extra = [(f"interlaced_1f1b as bench/paper/interlaced_t5.ssp ({a.world // 2} + "
+                  f"{a.world // 2} stages, {min(mf.batch_size, 2 * a.world)} mb)",
+                  str(PAPER / "interlaced_t5.ssp"),
+                  {"microbatches": str(min(mf.batch_size, 2 * a.world))})] if name == "t5" else []
+        for label, plan, sets in plans(names, a.world, mf.batch_size) + extra:
             if a.plan and a.plan not in label:
                 continue
             t0 = time.perf_counter()
