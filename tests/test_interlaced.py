@@ -256,3 +256,13 @@ def test_the_cost_simulator_agrees_with_the_schedule_simulator(p, m):
         starts.setdefault(iv.unit, set()).add(iv.start)
     assert all(len(v) == 1 for v in starts.values())
     assert {iv.rank for iv in r.intervals if iv.unit == Unit(0, Pass.F, 0)} == set(range(p))
+
+
+def test_show_and_cost_take_the_interlaced_plan(capsys):
+    assert main(["show", str(GPT), "interlaced_1f1b", "--world", "4", "--no-picture",
+                 "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["ranks"] == [[0], [1], [2], [3]]
+    assert main(["cost", str(BIG), "interlaced_1f1b", "--world", "4", "--json"]) == 0
+    cost = json.loads(capsys.readouterr().out)
+    assert cost["ranks"] == [[0], [1], [2], [3]] and cost["step_time_s"] > 0
