@@ -266,3 +266,20 @@ def test_show_and_cost_take_the_interlaced_plan(capsys):
     assert main(["cost", str(BIG), "interlaced_1f1b", "--world", "4", "--json"]) == 0
     cost = json.loads(capsys.readouterr().out)
     assert cost["ranks"] == [[0], [1], [2], [3]] and cost["step_time_s"] > 0
+
+
+def test_groups_that_overlap_in_part_run_like_the_plain_model(tmp_path):
+    """Not only the interlaced layout: stage 0 on devices 0, 1 and stage 1 on devices 1, 2
+    (each batch-split in two) make three classes, device 1 running both stages' parts."""
+    plan = tmp_path / "partial.ssp"
+    plan.write_text("plan partial(microbatches: int = 2)\n"
+                    "microbatch along batch into microbatches\n"
+                    "stages wte, h.* as st\n"
+                    "partition all along batch into 2\n"
+                    "assign st[0] to devices 0..2\n"
+                    "assign st[1] to devices 1..3\n")
+    low = lower_schedule(elaborate_file(str(plan), world=3).directives)
+    assert low.groups == ((0,), (1,), (2,))
+    assert low.schedule.stages.hosts == ((0, 1), (1, 2))
+    v = verify_before_launch(JobSpec(str(GPT), str(plan), ()), 3)
+    assert v.verified and abs(v.loss - v.reference_loss) < 1e-12 and v.max_grad_error < 1e-10
