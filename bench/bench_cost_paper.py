@@ -45,6 +45,8 @@ def plans(names: dict[str, str], world: int, batch: int) -> list[tuple[str, str,
          {"dp": str(world // tp), "tp": str(tp), **names}),
         (f"1f1b ({world} stages, {mb} mb)", "1f1b", {"microbatches": str(mb)}),
         (f"gpipe ({world} stages, {mb} mb)", "gpipe", {"microbatches": str(mb)}),
+        (f"interlaced_1f1b ({world} stages, {mb} mb)", "interlaced_1f1b",
+         {"microbatches": str(mb)}),
         (f"dp_tp_1f1b (tp={tp}, pp={pp}, {min(batch, 4 * pp)} mb)", dp_tp_1f1b,
          {"dp": "1", "tp": str(tp), "pp": str(pp), "microbatches": str(min(batch, 4 * pp)),
           **names}),
@@ -147,7 +149,11 @@ def main() -> None:
         nparams = sum(graph.tensors[t].numel for t in graph.params)
         print(f"# {name}: {len(graph.ops)} ops, {nparams / 1e9:.2f}B parameters, traced in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
-        for label, plan, sets in plans(names, a.world, mf.batch_size):
+        extra = [(f"interlaced_1f1b as bench/paper/interlaced_t5.ssp ({a.world // 2} + "
+                  f"{a.world // 2} stages, {min(mf.batch_size, 2 * a.world)} mb)",
+                  str(PAPER / "interlaced_t5.ssp"),
+                  {"microbatches": str(min(mf.batch_size, 2 * a.world))})] if name == "t5" else []
+        for label, plan, sets in plans(names, a.world, mf.batch_size) + extra:
             if a.plan and a.plan not in label:
                 continue
             t0 = time.perf_counter()

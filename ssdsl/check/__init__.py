@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from ssdsl.check.deadlock import CommModel, Deadlock, check_deadlock, find_stuck
 from ssdsl.check.schedule import (DuplicateUnit, ForwardAfterBackward, MisplacedUnit, MissingUnit,
-                                  OrderAgainstData, ScheduleError, UnknownUnit, check_structure)
+                                  OrderAgainstData, ScheduleError, SharedOrderMismatch, UnknownUnit,
+                                  check_structure)
 from ssdsl.schedule.units import Schedule
 
 
@@ -19,7 +20,8 @@ def check_schedule(schedule: Schedule, *, comm: CommModel = CommModel.ASYNC) -> 
 
 
 __all__ = ["CommModel", "Deadlock", "DuplicateUnit", "ForwardAfterBackward", "MisplacedUnit",
-           "MissingUnit", "OrderAgainstData", "ScheduleError", "UnknownUnit", "check_deadlock",
+           "MissingUnit", "OrderAgainstData", "ScheduleError", "SharedOrderMismatch",
+           "UnknownUnit", "check_deadlock",
            "check_schedule", "check_structure", "find_stuck"]
 
 from ssdsl.check.program import (BadStepTail, BadUnitStructure, GatherNotFreed,  # noqa: E402

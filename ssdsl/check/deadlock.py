@@ -15,6 +15,10 @@ Two communication models:
   blocking point-to-point). Stricter: plain 1F1B deadlocks under it, because in the steady state
   device d sends an activation forward while device d+1 sends a gradient back.
 
+A unit of a shared stage (``StageGraph.hosts``: the interlaced pipeline's embedding, on every
+device) is a meeting point, as a collective is: no device gets past it until all its devices have
+reached it, under either model.
+
 A stuck run is reported as a ``Deadlock`` whose message holds a grid of devices by program steps
 with the stuck units marked: ``[1B0]`` waits to receive an input of 1B0, ``[1B0>]`` has run 1B0 and
 waits to hand its result over.
@@ -102,13 +106,38 @@ def _peer(op: _Op) -> int:
     return op.msg.src_device if op.kind == _RECV else op.msg.dst_device
 
 
-def _step_async(ops: list[_Op], pc: int, sent: set[Message], woken: list[Message]) -> int:
+class _Meetings:
+    """The units of shared stages, where every device of the stage waits for the others."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.g = schedule.stages
+        self.arrived: dict[Unit, set[int]] = defaultdict(set)
+
+    def blocks(self, d: int, op: _Op) -> bool:
+        """Whether device d, at ``op``, must wait for another device of a shared unit."""
+        if op.kind != _RUN or not self.g.shared(op.unit.stage):
+            return False
+        here = self.arrived[op.unit]
+        here.add(d)
+        return len(here) < len(self.g.hosts[op.unit.stage])
+
+    def absent(self, op: _Op) -> int:
+        """A device of ``op``'s shared unit that has not reached it."""
+        return min(set(self.g.hosts[op.unit.stage]) - self.arrived[op.unit])
+
+
+def _step_async(d: int, ops: list[_Op], pc: int, sent: set[Message], woken: list,
+                meet: _Meetings) -> int:
     """Advance one device as far as it goes alone; returns its new program counter and lists the
-    messages it sent in ``woken``."""
+    messages it sent (and the shared units it completed) in ``woken``."""
     while pc < len(ops):
         op = ops[pc]
         if op.kind == _RECV and op.msg not in sent:
             break
+        if meet.blocks(d, op):
+            break
+        if op.kind == _RUN and meet.g.shared(op.unit.stage):
+            woken.append(op.unit)
         if op.kind == _SEND:
             sent.add(op.msg)  # type: ignore[arg-type]
             woken.append(op.msg)  # type: ignore[arg-type]
@@ -116,34 +145,41 @@ def _step_async(ops: list[_Op], pc: int, sent: set[Message], woken: list[Message
     return pc
 
 
-def _run_async(ops: list[list[_Op]]) -> list[int]:
+def _run_async(ops: list[list[_Op]], meet: _Meetings) -> list[int]:
     pcs = [0] * len(ops)
     sent: set[Message] = set()
-    # Wake a device only when the message it waits for is sent: linear in the operations.
-    waiting: dict[Message, int] = {}
+    # Wake a device only when the message it waits for is sent (or the last device of the
+    # shared unit it waits at arrives): linear in the operations.
+    waiting: dict[Message | Unit, list[int]] = defaultdict(list)
     todo = list(range(len(ops)))
     while todo:
         d = todo.pop()
-        woken: list[Message] = []
-        pcs[d] = _step_async(ops[d], pcs[d], sent, woken)
+        woken: list = []
+        pcs[d] = _step_async(d, ops[d], pcs[d], sent, woken, meet)
         if pcs[d] < len(ops[d]):
-            waiting[ops[d][pcs[d]].msg] = d  # type: ignore[index]
-        todo += [waiting.pop(msg) for msg in woken if msg in waiting]
+            op = ops[d][pcs[d]]
+            waiting[op.msg if op.kind != _RUN else op.unit].append(d)
+        for key in woken:
+            todo += waiting.pop(key, [])
     return pcs
 
 
-def _run_rendezvous(ops: list[list[_Op]]) -> list[int]:
+def _run_rendezvous(ops: list[list[_Op]], meet: _Meetings) -> list[int]:
     pcs = [0] * len(ops)
 
     def head(d: int) -> _Op | None:
         return ops[d][pcs[d]] if pcs[d] < len(ops[d]) else None
 
+    done: set[Unit] = set()
     progress = True
     while progress:
         progress = False
         for d in range(len(ops)):
             while (op := head(d)) is not None:
                 if op.kind == _RUN:
+                    if op.unit not in done and meet.blocks(d, op):
+                        break
+                    done.add(op.unit)
                     pcs[d] += 1
                     progress = True
                     continue
@@ -174,13 +210,18 @@ def find_stuck(schedule: Schedule, *, comm: CommModel = CommModel.ASYNC) -> dict
     """Run the expanded programs; the devices that never finish, by device (empty when none)."""
     ops = _expand(schedule)
     run = _run_async if comm is CommModel.ASYNC else _run_rendezvous
-    pcs = run(ops)
-    return {d: Stuck(d, ops[d][pc], _peer(ops[d][pc]))
+    meet = _Meetings(schedule)
+    pcs = run(ops, meet)
+    return {d: Stuck(d, ops[d][pc], meet.absent(ops[d][pc]) if ops[d][pc].kind == _RUN
+                     else _peer(ops[d][pc]))
             for d, pc in enumerate(pcs) if pc < len(ops[d])}
 
 
 def _explain(s: Stuck) -> str:
     msg = s.op.msg
+    if s.op.kind == _RUN:
+        return (f"device {s.device} waits at {s.op.unit}, a unit of a shared stage, for device "
+                f"{s.waits_for} to reach it")
     assert msg is not None
     if s.op.kind == _RECV:
         return (f"device {s.device} waits before {s.op.unit} for {msg.src} from device "
@@ -190,7 +231,7 @@ def _explain(s: Stuck) -> str:
 
 
 def _mark(s: Stuck) -> str:
-    return f"[{s.op.unit}]" if s.op.kind == _RECV else f"[{s.op.unit}>]"
+    return f"[{s.op.unit}]" if s.op.kind != _SEND else f"[{s.op.unit}>]"
 
 
 def check_deadlock(schedule: Schedule, *, comm: CommModel = CommModel.ASYNC) -> None:

@@ -5,9 +5,13 @@ Rules, in the order they run (later rules assume the earlier ones passed):
 1. every unit names an existing stage, micro-batch and pass (``UnknownUnit``; a backward of a
    forward-only stage is ``BackwardOfForwardOnly``) and sits on the device that hosts its stage
    (``MisplacedUnit``);
-2. no unit appears twice (``DuplicateUnit``) and none is missing (``MissingUnit``);
+2. no unit appears twice (``DuplicateUnit``) and none is missing (``MissingUnit``); a unit of a
+   shared stage (``StageGraph.hosts``: the interlaced pipeline's embedding and head) appears
+   once on each of its devices;
 3. on one device, no unit comes before a unit it depends on (``OrderAgainstData``; the most common
-   case, a backward before its own forward, is ``ForwardAfterBackward``);
+   case, a backward before its own forward, is ``ForwardAfterBackward``); two devices that both
+   run units of shared stages run those they have in common in the same order
+   (``SharedOrderMismatch``: they meet in each, as in a collective);
 4. once every cross-device dependency is a send matched with its receive, no set of devices waits
    for each other (``Deadlock``, in ``ssdsl.check.deadlock``).
 
@@ -61,6 +65,10 @@ class BackwardOfForwardOnly(UnknownUnit):
     """A backward unit of a stage that has none: the loss differentiates nothing it computes."""
 
 
+class SharedOrderMismatch(ScheduleError):
+    """Two devices run the units of a shared stage that both run in different orders."""
+
+
 class OrderAgainstData(ScheduleError):
     """A unit is ordered before a unit on the same device whose result it needs."""
 
@@ -108,11 +116,13 @@ def _check_unit_known(schedule: Schedule, prog: Program, k: int) -> None:
         raise UnknownUnit(f"unit {unit} runs pass {unit.kind.value}, but this schedule's passes "
                           f"are {names}", [span],
                           hint="split backwards (I and W) and whole ones (B) cannot be mixed")
-    host = g.devices[unit.stage]
-    if host != prog.device:
+    if not g.runs(unit.stage, prog.device):
+        hosts = g.hosts[unit.stage]
+        where = f"device {hosts[0]}" if len(hosts) == 1 else \
+            f"devices {', '.join(map(str, hosts))}"
         raise MisplacedUnit(f"{describe(unit)} is ordered on device {prog.device}, but stage "
-                            f"{unit.stage} is assigned to device {host}", [span],
-                            hint=f"order it on device {host}, or assign the stage here")
+                            f"{unit.stage} is assigned to {where}", [span],
+                            hint=f"order it on {where}, or assign the stage here")
 
 
 def _check_known(schedule: Schedule) -> None:
@@ -125,16 +135,20 @@ def _check_known(schedule: Schedule) -> None:
 
 
 def _first_spans(schedule: Schedule) -> dict[Unit, Span | None]:
+    # Rule 1 put every unit on a device of its stage, so a unit in two programs is a unit of a
+    # shared stage (once on each of its devices); twice in one program is a duplicate.
     seen: dict[Unit, Span | None] = {}
     errors = ErrorCollector()
     for prog in schedule.programs:
+        here: dict[Unit, Span | None] = {}
         for unit, span in zip(prog.units, prog.spans):
-            if unit in seen:
+            if unit in here:
                 errors.add(DuplicateUnit(
                     f"{describe(unit)} is ordered twice on device {prog.device}",
-                    [span, seen[unit]], hint="each micro-batch runs each pass of a stage once"))
+                    [span, here[unit]], hint="each micro-batch runs each pass of a stage once"))
             else:
-                seen[unit] = span
+                here[unit] = span
+                seen.setdefault(unit, span)
     errors.raise_if_any()
     return seen
 
@@ -156,16 +170,55 @@ def _missing_text(kind: Pass, mbs: list[int]) -> str:
 
 def _check_complete(schedule: Schedule, seen: dict[Unit, Span | None]) -> None:
     errors = ErrorCollector()
-    for s in range(schedule.stages.num_stages):
-        missing = [(kind, [m for m in range(schedule.microbatches) if Unit(s, kind, m) not in seen])
-                   for kind in schedule.passes(s)]
-        parts = [_missing_text(kind, mbs) for kind, mbs in missing if mbs]
-        if parts:
-            errors.add(MissingUnit(
-                f"stage {s} (device {schedule.stages.devices[s]}) has {' and '.join(parts)}",
-                [_stage_span(schedule, seen, s)],
-                hint=f"order every micro-batch ({_mbs(list(range(schedule.microbatches)))}) of "
-                     "every stage"))
+    g = schedule.stages
+    shared = any(g.shared(s) for s in range(g.num_stages))
+    on = [set(p.units) for p in schedule.programs] if shared else []
+    for s in range(g.num_stages):
+        for d in g.hosts[s]:
+            has = on[d] if shared else seen
+            missing = [(kind, [m for m in range(schedule.microbatches)
+                               if Unit(s, kind, m) not in has])
+                       for kind in schedule.passes(s)]
+            parts = [_missing_text(kind, mbs) for kind, mbs in missing if mbs]
+            if parts:
+                errors.add(MissingUnit(
+                    f"stage {s} (device {d}) has {' and '.join(parts)}",
+                    [_stage_span(schedule, seen, s)],
+                    hint=f"order every micro-batch ({_mbs(list(range(schedule.microbatches)))}) "
+                         "of every stage" + (" on each of its devices" if g.shared(s) else "")))
+    errors.raise_if_any()
+
+
+def _nth(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _check_shared_order(schedule: Schedule) -> None:
+    """Devices that both run units of shared stages run the units they share in one order."""
+    g = schedule.stages
+    if not any(g.shared(s) for s in range(g.num_stages)):
+        return
+    errors = ErrorCollector()
+    progs = schedule.programs
+    for p in progs:
+        for q in progs[p.device + 1:]:
+            common = [s for s in range(g.num_stages) if g.runs(s, p.device) and g.runs(s, q.device)]
+            if not common:
+                continue
+            both = set(common)
+            mine = [(u, sp) for u, sp in zip(p.units, p.spans) if u.stage in both]
+            theirs = [(u, sp) for u, sp in zip(q.units, q.spans) if u.stage in both]
+            at = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a[0] != b[0]), None)
+            if at is None:
+                continue
+            (a, sa), (b, sb) = mine[at], theirs[at]
+            errors.add(SharedOrderMismatch(
+                f"devices {p.device} and {q.device} run the units of stage"
+                f"{'s' if len(common) > 1 else ''} {', '.join(map(str, common))} in different "
+                f"orders: the {_nth(at + 1)} of them is {a} on device {p.device} but {b} on "
+                f"device {q.device}", [sa, sb],
+                hint="the devices of a shared stage meet in each of its units (its collectives): "
+                     "order them alike on every device, e.g. from one loop"))
     errors.raise_if_any()
 
 
@@ -201,3 +254,4 @@ def check_structure(schedule: Schedule) -> None:
     seen = _first_spans(schedule)
     _check_complete(schedule, seen)
     _check_order(schedule)
+    _check_shared_order(schedule)

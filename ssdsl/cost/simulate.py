@@ -146,7 +146,8 @@ class _Sim:
         self.free = [0.0] * len(groups)
         self.pcs = [0] * len(groups)
         self.out: list[Interval] = []
-        self.waiting: dict[Unit, list[int]] = defaultdict(list)
+        self.waiting: dict[object, list[int]] = defaultdict(list)
+        self.arrived: dict[Unit, set[int]] = defaultdict(set)
 
     def unit_cost(self, d: int, stage: int) -> UnitCost:
         return self.costs.units.get((d, stage), UnitCost())
@@ -170,27 +171,44 @@ class _Sim:
         return max((self.costs.bwd_delay.get(key(d), 0.0) for d in self.groups[rank]),
                    default=0.0)
 
+    def ready(self, unit: Unit, r: int) -> float | Unit:
+        """When ``unit`` may start on rank r, or the first unit it still waits for."""
+        start = self.free[r]
+        for dep in data_deps(unit, self.schedule.stages,
+                             split_backward=self.schedule.split_backward):
+            done = self.end.get(dep)
+            if done is None:
+                return dep
+            start = max(start, done + self.delay(dep, unit, r))
+        return start
+
     def advance(self, r: int) -> list[int]:
+        # A unit of a shared stage (the interlaced pipeline's embedding and head) runs on all
+        # its ranks at once, when the last is ready: they meet in its collectives.
         prog, woken = self.schedule.programs[r].units, []
+        g = self.schedule.stages
         while self.pcs[r] < len(prog):
             unit = prog[self.pcs[r]]
-            start = self.free[r]
-            blocked = None
-            for dep in data_deps(unit, self.schedule.stages,
-                                 split_backward=self.schedule.split_backward):
-                done = self.end.get(dep)
-                if done is None:
-                    blocked = dep
+            hosts = g.hosts[unit.stage] if g.shared(unit.stage) else (r,)
+            if len(hosts) > 1:
+                here = self.arrived[unit]
+                here.add(r)
+                if len(here) < len(hosts):
+                    self.waiting[(unit, "meet")].append(r)
                     break
-                start = max(start, done + self.delay(dep, unit, r))
+            starts = [self.ready(unit, h) for h in hosts]
+            blocked = next((s for s in starts if isinstance(s, Unit)), None)
             if blocked is not None:
                 self.waiting[blocked].append(r)
                 break
-            end = start + self.duration(unit, r)
-            self.out.append(Interval(unit, r, start, end))
-            self.end[unit] = self.free[r] = end
-            woken += self.waiting.pop(unit, [])
-            self.pcs[r] += 1
+            start = max(starts)
+            end = start + max(self.duration(unit, h) for h in hosts)
+            for h in hosts:
+                self.out.append(Interval(unit, h, start, end))
+                self.free[h] = end
+                self.pcs[h] += 1
+            self.end[unit] = end
+            woken += self.waiting.pop(unit, []) + self.waiting.pop((unit, "meet"), [])
         return woken
 
     def run(self) -> list[Interval]:

@@ -332,7 +332,8 @@ class Stages(_Directive):
     cost when ``selectors`` is empty, else stage i is ``selectors[i]``. With ``over`` (``stages
     into N over calls of X``), the graph is first cut at the calls of the module(s) X names, and
     each call's stretch is balanced into N / calls stages: stage ``k * (N / calls) + s`` is stage
-    s of call k."""
+    s of call k. With ``splits`` (``stages A, B into N, C as st``), selector i's operators are
+    balanced into ``splits[i]`` stages of their own (empty: one stage per selector)."""
 
     kind: ClassVar[str] = "stages"
     name: str
@@ -340,10 +341,14 @@ class Stages(_Directive):
     selectors: tuple[Selector, ...]
     span: Span
     over: Selector | None = None
+    splits: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         if self.selectors:
-            return f"stages {', '.join(str(s) for s in self.selectors)} as {self.name}"
+            splits = self.splits or (1,) * len(self.selectors)
+            items = (f"{s} into {n}" if n != 1 else str(s)
+                     for s, n in zip(self.selectors, splits))
+            return f"stages {', '.join(items)} as {self.name}"
         over = f" over calls of {self.over}" if self.over is not None else ""
         return f"stages into {self.count}{over} as {self.name}"
 
@@ -351,6 +356,8 @@ class Stages(_Directive):
         out = super().to_json()
         if self.over is None:  # the plain forms keep the JSON they always had
             out.pop("over")
+        if not self.splits:
+            out.pop("splits")
         return out
 
 

@@ -300,12 +300,15 @@ class Elaborator(Places):
                 n, sels = self._count(s.count, env, "stages into"), ()
             else:
                 sels = tuple(self.sel(x, env) for x in s.selectors)
-                n = len(sels)
+                splits = tuple(1 if e is None else self._count(e, env, "stages ... into")
+                               for e in s.splits)
+                n = sum(splits) if splits else len(sels)
         except (SsdslError, Poisoned):
             self.poisoned.add(s.name)  # `st[i]` later is not an error of its own
             raise
         self.stage_groups[s.name] = (n, s.span.reached_via(self.via))
-        self.emit(D.Stages(s.name, n, sels, s.span, over=over))
+        self.emit(D.Stages(s.name, n, sels, s.span, over=over,
+                           splits=splits if s.count is None else ()))
 
     def _recompute(self, s: A.Recompute, env: dict) -> None:
         self.emit(D.Recompute(self.sel(s.selector, env), s.span))

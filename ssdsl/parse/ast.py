@@ -283,6 +283,9 @@ class Stages:
     name: str
     span: Span
     over: Selector | None = None  # ``stages into N over calls of X``: X's calls
+    # ``stages A, B into N, C as st``: per selector, its stage count (None: 1); empty when no
+    # selector has one
+    splits: tuple[Expr | None, ...] = ()
 
 
 @attrs.frozen

@@ -111,7 +111,13 @@ class Builder(Transformer):
         return A.Stages(ch[0], (), str(ch[2]), self._sp(meta), over=ch[1])
 
     def stages_sel(self, meta, ch):
-        return A.Stages(None, tuple(ch[:-1]), str(ch[-1]), self._sp(meta))
+        items = ch[:-1]
+        splits = tuple(n for _, n in items) if any(n is not None for _, n in items) else ()
+        return A.Stages(None, tuple(sel for sel, _ in items), str(ch[-1]), self._sp(meta),
+                        splits=splits)
+
+    def stage_sel(self, meta, ch):
+        return (ch[0], ch[1] if len(ch) > 1 else None)
 
     def recompute(self, meta, ch):
         return A.Recompute(ch[0], self._sp(meta))

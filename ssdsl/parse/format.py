@@ -178,7 +178,10 @@ def simple(s: A.Stmt) -> str:
         if s.count is not None:
             over = f" over calls of {selector(s.over)}" if s.over is not None else ""
             return f"stages into {expr(s.count)}{over} as {s.name}"
-        return f"stages {', '.join(selector(x) for x in s.selectors)} as {s.name}"
+        splits = s.splits or (None,) * len(s.selectors)
+        items = (selector(x) + (f" into {expr(n)}" if n is not None else "")
+                 for x, n in zip(s.selectors, splits))
+        return f"stages {', '.join(items)} as {s.name}"
     if isinstance(s, A.Recompute):
         return f"recompute {selector(s.selector)}"
     if isinstance(s, A.Zero):

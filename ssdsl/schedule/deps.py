@@ -12,7 +12,9 @@ A forward-only stage (``StageGraph.forward_only``) has no backward units, and no
 for it: no gradient flows into it.
 
 A dependency between units on two devices is a message: the producer's device sends, the
-consumer's device receives (``messages``).
+consumer's device receives (``messages``). A shared stage (``StageGraph.hosts``) runs on each of
+its hosts: a host of the producer reads its own result, another device receives it from the
+producer's first host.
 """
 
 from __future__ import annotations
@@ -75,6 +77,5 @@ def messages(schedule: Schedule) -> Iterator[Message]:
     for prog in schedule.programs:
         for unit in prog.units:
             for dep in data_deps(unit, g, split_backward=schedule.split_backward):
-                src_dev = g.devices[dep.stage]
-                if src_dev != prog.device:
-                    yield Message(dep, unit, src_dev, prog.device)
+                if not g.runs(dep.stage, prog.device):
+                    yield Message(dep, unit, g.devices[dep.stage], prog.device)

@@ -5,9 +5,14 @@
   group G. Stages whose groups are equal share a pipeline rank (interleaved chunks); a group of
   several devices (a stage that is also data- or tensor-parallel) is one *pipeline rank* whose
   devices all run the same program, so the schedule is built over ranks: ``Lowered.groups[r]``
-  are the devices of rank r.
-- ``order on devices G: ...`` sequences concatenate, in plan order, into the program of G's rank;
-  every unit keeps the span of its statement, so the checker's errors point at it.
+  are the devices of rank r. Groups that overlap without being equal (the interlaced pipeline:
+  the embedding on devices 0..4, stage 1 on device 0) split into *device classes*, the devices
+  that run the same stages (``_classes``): each class is a rank, and a stage whose group holds
+  several is *shared* by them (``StageGraph.hosts``): each runs all its units.
+- ``order on devices G: ...`` sequences concatenate, in plan order, into the program of G's rank
+  (of each of its ranks when G is a shared stage's group); every unit keeps the span of its
+  statement, so the checker's errors point at it. On a rank that runs shared and own stages
+  the two sequences are interlaced by time (``_interlace_by_time``).
 - A rank with no sequence gets the default order: a topological order of data edges plus the
   ``a before b`` edges, GPipe-like where they leave a choice (forwards first, by micro-batch).
   On ranks with a sequence, ``a before b`` is checked against it (``OrderConflict``).
@@ -54,10 +59,6 @@ class OrderConflict(LowerError):
     """An ``a before b`` statement contradicts an order sequence or the data dependencies."""
 
 
-class OverlappingStageGroups(LowerError):
-    """Two stages on device groups that share devices without being the same group."""
-
-
 class SeveralPipelines(LowerError):
     """More than one ``stages`` statement: one pipeline per plan is supported."""
 
@@ -96,28 +97,30 @@ def _stage_groups(directives: Sequence[object], st: Stages) -> list[tuple[int, .
             errors.add(UnassignedStage(f"stage {st.name}[{i}] is not assigned to any device",
                                        st.span, hint=f"add 'assign {st.name}[{i}] to device N'"))
     errors.raise_if_any()
-    # A device runs the program of one pipeline rank: stages on the same group share a rank
-    # (interleaved chunks), stages on disjoint groups are different ranks. A group that
-    # overlaps another (one stage on devices 0..4, the next on device 0 alone: the interlaced
-    # pipeline) would put a device in two ranks, which nothing merges into one program yet.
-    seen: dict[tuple[int, ...], tuple[int, Span]] = {}
-    for i in range(st.count):
-        devs, span = groups[i]
-        for other, (j, other_span) in seen.items():
-            shared = sorted(set(devs) & set(other))
-            if shared and other != devs:
-                errors.add(OverlappingStageGroups(
-                    f"stage {st.name}[{i}] is assigned to devices {list(devs)}, which share "
-                    f"device{'s' if len(shared) > 1 else ''} {', '.join(map(str, shared))} with "
-                    f"the devices {list(other)} of stage {st.name}[{j}] (line {other_span.line}); "
-                    "a device runs one pipeline rank's units", span,
-                    hint="assign each stage to the same device group as the stages it shares "
-                    "devices with, or to devices no other stage uses (a stage that runs on all "
-                    "devices inside a pipeline, the interlaced pipeline, is not supported yet)"))
-                break
-        seen.setdefault(devs, (i, span))
-    errors.raise_if_any()
     return [groups[i][0] for i in range(st.count)]
+
+
+def _classes(groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The devices of the stage groups, grouped by the stages they run: each class is a
+    pipeline rank, whose devices all run the same program.
+
+    Stage groups that are equal or disjoint are their own classes (every pipeline before the
+    interlaced one). Groups that overlap (the embedding on devices 0..4, stage 1 on device 0)
+    split into the classes of devices that run the same stages: there a device's program holds
+    the units of every stage whose group contains it, and a stage whose group holds several
+    classes is *shared* by them (``StageGraph.hosts``).
+    """
+    member: dict[int, list[int]] = defaultdict(list)
+    for i, g in enumerate(groups):
+        for dev in g:
+            member[dev].append(i)
+    by_sig: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for dev in sorted(member):
+        by_sig[tuple(member[dev])].append(dev)
+    # a class that is a whole group keeps the group's device order (Lowered.groups did before)
+    as_given = {frozenset(g): g for g in groups}
+    classes = [as_given.get(frozenset(c), tuple(c)) for c in by_sig.values()]
+    return sorted(classes, key=lambda c: (min(c), c))
 
 
 def _unit(wu: WorkUnit, st: Stages, span: Span) -> Unit:
@@ -131,8 +134,13 @@ def _unit(wu: WorkUnit, st: Stages, span: Span) -> Unit:
 
 
 def _rank_of(groups: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
-    # Ranks in order of first device, so a plain pipeline keeps rank == device.
-    return {g: r for r, g in enumerate(sorted(set(groups), key=lambda g: (min(g), g)))}
+    # Ranks (device classes) in order of first device, so a plain pipeline keeps rank == device.
+    return {c: r for r, c in enumerate(_classes(groups))}
+
+
+def _hosts(group: tuple[int, ...], rank: dict[tuple[int, ...], int]) -> tuple[int, ...]:
+    """The ranks whose devices make up ``group``, in rank order."""
+    return tuple(sorted(r for c, r in rank.items() if set(c) <= set(group)))
 
 
 def lower_schedule(directives: Sequence[object], *,
@@ -149,12 +157,13 @@ def lower_schedule(directives: Sequence[object], *,
         return None
     groups = _stage_groups(directives, st)
     rank = _rank_of(groups)
-    graph = StageGraph([rank[g] for g in groups],
+    hosts = [_hosts(g, rank) for g in groups]
+    graph = StageGraph([h[0] for h in hosts],
                        edges if edges is not None else [(i, i + 1) for i in range(st.count - 1)],
-                       forward_only)
+                       forward_only, hosts=hosts)
     mbs = [d.count for d in directives if isinstance(d, Microbatch)]
     m = mbs[-1] if mbs else 1
-    seqs, befores = _orders(directives, st, rank)
+    seqs, befores = _orders(directives, st, rank, groups)
     split = any(u.kind in (Pass.I, Pass.W) for _, us in seqs.items() for u, _ in us) or \
         any(u.kind in (Pass.I, Pass.W) for b in befores for u in b[:2])
     programs = _programs(graph, m, split, seqs, befores)
@@ -166,7 +175,8 @@ def lower_schedule(directives: Sequence[object], *,
 _Before = tuple[Unit, Unit, Span]
 
 
-def _orders(directives: Sequence[object], st: Stages, rank: dict[tuple[int, ...], int]
+def _orders(directives: Sequence[object], st: Stages, rank: dict[tuple[int, ...], int],
+            groups: list[tuple[int, ...]]
             ) -> tuple[dict[int, list[tuple[Unit, Span]]], list[_Before]]:
     seqs: dict[int, list[tuple[Unit, Span]]] = defaultdict(list)
     befores: list[_Before] = []
@@ -174,20 +184,26 @@ def _orders(directives: Sequence[object], st: Stages, rank: dict[tuple[int, ...]
     for d in directives:
         with errors.catch():
             if isinstance(d, OrderSequence):
-                r = _sequence_rank(d, rank)
-                seqs[r] += [(_unit(wu, st, d.span), d.span) for wu in d.units]
+                units = [(_unit(wu, st, d.span), d.span) for wu in d.units]
+                for r in _sequence_ranks(d, rank, groups):
+                    seqs[r] += units
             elif isinstance(d, OrderBefore):
                 befores.append((_unit(d.before, st, d.span), _unit(d.after, st, d.span), d.span))
     errors.raise_if_any()
     return seqs, befores
 
 
-def _sequence_rank(d: OrderSequence, rank: dict[tuple[int, ...], int]) -> int:
+def _sequence_ranks(d: OrderSequence, rank: dict[tuple[int, ...], int],
+                    groups: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The ranks an ``order on devices G`` sequence joins: G's own rank, each rank of G when G is
+    a stage's group made of several (a shared stage), or the rank of the one device G names."""
     if d.devices in rank:
-        return rank[d.devices]
+        return (rank[d.devices],)
+    if d.devices in groups:
+        return _hosts(d.devices, rank)
     owners = [g for g in rank if set(d.devices) <= set(g)]
     if len(owners) == 1 and len(d.devices) == 1:
-        return rank[owners[0]]
+        return (rank[owners[0]],)
     raise UnsupportedOrderUnit(
         f"order on devices {list(d.devices)}: no stage is assigned to exactly this device group",
         d.span, hint="order on the same devices a stage is assigned to")
@@ -198,9 +214,11 @@ def _programs(g: StageGraph, m: int, split: bool, seqs: dict[int, list[tuple[Uni
     needs_auto = any(r not in seqs for r in range(g.num_devices))
     auto = _default_order(g, m, split, seqs, befores) if needs_auto else {}
     progs = []
+    timed = _interlace_by_time(g, split, seqs)
     for r in range(g.num_devices):
         if r in seqs:
-            units, spans = zip(*seqs[r]) if seqs[r] else ((), ())
+            seq = timed[r] if timed is not None else _interlace(g, split, seqs[r])
+            units, spans = zip(*seq) if seq else ((), ())
             progs.append(Program(r, units, spans))
         else:
             progs.append(Program(r, [u for u, _ in auto[r]], [s for _, s in auto[r]]))
@@ -208,13 +226,113 @@ def _programs(g: StageGraph, m: int, split: bool, seqs: dict[int, list[tuple[Uni
     return progs
 
 
+_TIME = {Pass.F: 1.0, Pass.B: 2.0, Pass.I: 1.0, Pass.W: 1.0}
+
+
+def _interlace_by_time(g: StageGraph, split: bool, seqs: dict[int, list[tuple[Unit, Span]]]
+                       ) -> dict[int, list[tuple[Unit, Span]]] | None:
+    """Every rank's sequence with the units of shared stages put where they fall in time.
+
+    The ranks' own units run in their order (F = 1, B = 2, I = W = 1), each when its data is
+    there; a shared unit takes no time and happens when its inputs are there and the shared
+    units before it (in each rank's shared order) have happened. On each rank a shared unit
+    then runs right before the first own unit that starts at its time or later. So the head's
+    forward of micro-batch k lands on the first stage's device among the forwards it runs while
+    k reaches the last stage, not after its next backward. ``None`` when nothing is shared, or
+    when the orders contradict each other (a cycle: ``_interlace`` then keeps each rank's own
+    reading, and the checker reports the conflict at the statements).
+    """
+    if not any(g.shared(s) for s in range(g.num_stages)):
+        return None
+    own = {r: [(u, sp) for u, sp in seq if not g.shared(u.stage)] for r, seq in seqs.items()}
+    shared = {r: [(u, sp) for u, sp in seq if g.shared(u.stage)] for r, seq in seqs.items()}
+    if not any(own.values()) or not any(shared.values()):
+        return None
+    preds: dict[Unit, set[Unit]] = defaultdict(set)
+    units: set[Unit] = set()
+    for seq in list(own.values()) + list(shared.values()):
+        units.update(u for u, _ in seq)
+        for (a, _), (b, _) in zip(seq, seq[1:]):
+            preds[b].add(a)
+    for u in units:
+        preds[u].update(d for d in data_deps(u, g, split_backward=split) if d in units)
+    succ: dict[Unit, list[Unit]] = defaultdict(list)
+    indeg = {u: len(preds[u]) for u in units}
+    for b in units:
+        for a in preds[b]:
+            succ[a].append(b)
+    ready = sorted(u for u in units if indeg[u] == 0)
+    start: dict[Unit, float] = {}
+    end: dict[Unit, float] = {}
+    done = 0
+    while ready:
+        u = ready.pop()
+        done += 1
+        start[u] = max((end[a] for a in preds[u]), default=0.0)
+        end[u] = start[u] + (0.0 if g.shared(u.stage) else _TIME[u.kind])
+        for v in succ[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                ready.append(v)
+    if done < len(units):
+        return None
+    out = {}
+    for r, seq in seqs.items():
+        keyed = [((start[u], 1, k), (u, sp)) for k, (u, sp) in enumerate(own[r])]
+        keyed += [((start[u], 0, k), (u, sp)) for k, (u, sp) in enumerate(shared[r])]
+        out[r] = [item for _, item in sorted(keyed, key=lambda x: x[0])]
+    return out
+
+
+def _interlace(g: StageGraph, split: bool, seq: list[tuple[Unit, Span]]
+               ) -> list[tuple[Unit, Span]]:
+    """A rank's sequence with the units of shared stages interlaced into those of its own.
+
+    The shared units keep their order, the rank's own units theirs; each own unit runs right
+    after the shared units it depends on (through any chain of data dependencies) have run,
+    and the shared units left over run at the end. So the embedding's forward of micro-batch
+    i runs on every device right before the forward that needs it, and its backward after the
+    first stage's backward of i, wherever each device's own stages are in their schedule.
+    """
+    shared = [(u, sp) for u, sp in seq if g.shared(u.stage)]
+    if not shared or len(shared) == len(seq):
+        return seq
+    pos = {u: k for k, (u, _) in enumerate(shared)}
+    need: dict[Unit, int] = {}
+
+    def last_needed(u: Unit) -> int:
+        # The last position of a shared unit that u depends on, directly or not (-1: none).
+        if u not in need:
+            most = -1
+            for dep in data_deps(u, g, split_backward=split):
+                if dep in pos:
+                    most = max(most, pos[dep])
+                most = max(most, last_needed(dep))
+            need[u] = most
+        return need[u]
+
+    out: list[tuple[Unit, Span]] = []
+    done = 0
+    for u, sp in seq:
+        if g.shared(u.stage):
+            continue
+        upto = last_needed(u)
+        out += shared[done:upto + 1]
+        done = max(done, upto + 1)
+        out.append((u, sp))
+    return out + shared[done:]
+
+
 def _check_befores(progs: list[Program], befores: list[_Before]) -> None:
-    pos = {u: (p.device, k) for p in progs for k, u in enumerate(p.units)}
+    # A unit of a shared stage is in several programs: each of them must keep the order.
+    pos = [{u: k for k, u in enumerate(p.units)} for p in progs]
     errors = ErrorCollector()
     for a, b, span in befores:
-        if a in pos and b in pos and pos[a][0] == pos[b][0] and pos[a][1] > pos[b][1]:
-            errors.add(OrderConflict(f"'{a} before {b}' contradicts the order on device "
-                                     f"{pos[a][0]}, which runs {b} first", span))
+        for p, at in zip(progs, pos):
+            if a in at and b in at and at[a] > at[b]:
+                errors.add(OrderConflict(f"'{a} before {b}' contradicts the order on device "
+                                         f"{p.device}, which runs {b} first", span))
+                break
     errors.raise_if_any()
 
 
@@ -256,7 +374,8 @@ def _default_order(g: StageGraph, m: int, split: bool, seqs: dict[int, list[tupl
     while heap:
         _, u = heapq.heappop(heap)
         done += 1
-        out[g.devices[u.stage]].append((u, span_of.get(u)))
+        for h in g.hosts[u.stage]:
+            out[h].append((u, span_of.get(u)))
         for v in succ[u]:
             indeg[v] -= 1
             if indeg[v] == 0:
@@ -267,7 +386,8 @@ def _default_order(g: StageGraph, m: int, split: bool, seqs: dict[int, list[tupl
         # The cycle runs through order sequences only: the checker reports those, at their
         # statements; finish the default order so that it can.
         for u in left:
-            out[g.devices[u.stage]].append((u, span_of.get(u)))
+            for h in g.hosts[u.stage]:
+                out[h].append((u, span_of.get(u)))
     return out
 
 

@@ -167,6 +167,25 @@ def _by_selectors(t: Transformed, st: Stages) -> dict[str, int]:
                 f"but comes after operators of stage {current}: stages must be contiguous",
                 st.span, hint="select consecutive operators for each stage, in model order")
         out[op.name] = current = s
+    return _split_selected(t, st, out) if st.splits else out
+
+
+def _split_selected(t: Transformed, st: Stages, group_of: dict[str, int]) -> dict[str, int]:
+    """``stages A into N, ...``: the operators of selector i (a contiguous stretch) balanced into
+    ``splits[i]`` stages, numbered after the stages of the selectors before it."""
+    ops = t.graph.ops
+    out: dict[str, int] = {}
+    first = 0
+    for i, n in enumerate(st.splits):
+        idx = [k for k, op in enumerate(ops) if group_of[op.name] == i]
+        if len(idx) < n:
+            raise TooManyStages(f"'{st.selectors[i]} into {n}': {n} stages but the selector has "
+                                f"only {len(idx)} operators", st.span,
+                                hint="ask for fewer stages")
+        for s, r in enumerate(balance_stages([op_cost(t, ops[k]) for k in idx], n)):
+            for j in r:
+                out[ops[idx[j]].name] = first + s
+        first += n
     return out
 
 

@@ -133,7 +133,8 @@ class _Sim:
         self.free = [0.0] * schedule.num_devices
         self.pcs = [0] * schedule.num_devices
         self.events: list[list[Event]] = [[] for _ in schedule.programs]
-        self.waiting: dict[Unit, list[int]] = defaultdict(list)
+        self.waiting: dict[object, list[int]] = defaultdict(list)
+        self.arrived: dict[Unit, set[int]] = defaultdict(set)
 
     def deps(self, unit: Unit) -> tuple[Unit, ...]:
         return data_deps(unit, self.schedule.stages, split_backward=self.schedule.split_backward)
@@ -145,24 +146,39 @@ class _Sim:
             done = self.end.get(dep)
             if done is None:
                 return dep
-            lat = self.costs.latency if self.host[dep.stage] != device else 0.0
+            lat = self.costs.latency if not self.schedule.stages.runs(dep.stage, device) else 0.0
             t = max(t, done + lat)
         return t
 
     def advance(self, d: int) -> list[int]:
-        """Run device d until it waits; return the devices its finished units wake."""
+        """Run device d until it waits; return the devices its finished units wake.
+
+        A unit of a shared stage runs on all its devices at once, when the last of them is
+        ready (its collectives make them meet)."""
         prog, woken = self.schedule.programs[d].units, []
+        g = self.schedule.stages
         while self.pcs[d] < len(prog):
             unit = prog[self.pcs[d]]
-            start = self.ready_at(unit, d)
-            if isinstance(start, Unit):
-                self.waiting[start].append(d)
+            hosts = g.hosts[unit.stage] if g.shared(unit.stage) else (d,)
+            if len(hosts) > 1:
+                here = self.arrived[unit]
+                here.add(d)
+                if len(here) < len(hosts):
+                    self.waiting[(unit, "meet")].append(d)
+                    break
+            starts = [self.ready_at(unit, h) for h in hosts]
+            dep = next((s for s in starts if isinstance(s, Unit)), None)
+            if dep is not None:
+                self.waiting[dep].append(d)
                 break
+            start = max(starts)
             end = start + self.costs.of(unit)
-            self.events[d].append(Event(unit, d, start, end))
-            self.end[unit] = self.free[d] = end
-            woken += self.waiting.pop(unit, [])
-            self.pcs[d] += 1
+            for h in hosts:
+                self.events[h].append(Event(unit, h, start, end))
+                self.free[h] = end
+                self.pcs[h] += 1
+            self.end[unit] = end
+            woken += self.waiting.pop(unit, []) + self.waiting.pop((unit, "meet"), [])
         return woken
 
     def run(self) -> bool:

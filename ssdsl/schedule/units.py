@@ -123,12 +123,21 @@ class StageGraph:
     ``forward_only`` stages have no backward units: nothing they compute is differentiated by
     the loss (the trunk passes of a recycling model before the last, whose output is detached).
     They run their forwards without keeping activations; their successors send them nothing back.
+
+    ``hosts[s]`` are the devices that run stage s's units (default: ``(devices[s],)``). A stage
+    with several hosts is *shared* (the interlaced pipeline's embedding and head, tensor-parallel
+    over the devices of several other stages): each host runs every unit of the stage, and the
+    hosts meet in it (its collectives), so they must order its units alike. ``devices[s]`` is
+    then the first host, the one that sends the stage's results to devices outside it.
     """
 
     devices: tuple[int, ...] = attrs.field(converter=tuple)
     edges: tuple[tuple[int, int], ...] = attrs.field(
         converter=lambda es: tuple(sorted({(int(a), int(b)) for a, b in es})))
     forward_only: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    hosts: tuple[tuple[int, ...], ...] | None = attrs.field(
+        default=None, kw_only=True, repr=False,
+        converter=lambda hs: None if hs is None else tuple(tuple(h) for h in hs))
     # Adjacency, derived once: schedules ask for it per unit, hundreds of thousands of times.
     _preds: tuple[tuple[int, ...], ...] = attrs.field(init=False, eq=False, repr=False)
     _succs: tuple[tuple[int, ...], ...] = attrs.field(init=False, eq=False, repr=False)
@@ -142,6 +151,12 @@ class StageGraph:
                 raise ValueError(f"stage edge {src}->{dst} must go forward between existing stages "
                                  f"(0..{self.num_stages - 1})")
         n = self.num_stages
+        if self.hosts is None:
+            object.__setattr__(self, "hosts", tuple((d,) for d in self.devices))
+        elif len(self.hosts) != n or any(not h or h[0] != d
+                                         for h, d in zip(self.hosts, self.devices)):
+            raise ValueError(f"hosts {self.hosts} must list each stage's devices, its device "
+                             f"{self.devices} first")
         object.__setattr__(self, "_preds", tuple(tuple(a for a, b in self.edges if b == s)
                                                  for s in range(n)))
         object.__setattr__(self, "_succs", tuple(tuple(b for a, b in self.edges if a == s)
@@ -162,7 +177,15 @@ class StageGraph:
 
     @property
     def num_devices(self) -> int:
-        return max(self.devices) + 1 if self.devices else 0
+        return max(max(h) for h in self.hosts) + 1 if self.devices else 0
+
+    def shared(self, stage: int) -> bool:
+        """Whether several devices run ``stage``'s units together (``hosts``)."""
+        return len(self.hosts[stage]) > 1
+
+    def runs(self, stage: int, device: int) -> bool:
+        """Whether ``device`` runs ``stage``'s units."""
+        return device in self.hosts[stage]
 
     def preds(self, stage: int) -> tuple[int, ...]:
         """The stages whose outputs ``stage`` reads, in increasing order."""
@@ -173,7 +196,7 @@ class StageGraph:
         return self._succs[stage]
 
     def stages_on(self, device: int) -> tuple[int, ...]:
-        return tuple(s for s, d in enumerate(self.devices) if d == device)
+        return tuple(s for s, h in enumerate(self.hosts) if device in h)
 
 
 @attrs.frozen
