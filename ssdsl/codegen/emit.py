@@ -25,6 +25,7 @@ import attrs
 import ssdsl
 from ssdsl.codegen.text import literal, region_text
 from ssdsl.errors import SsdslError
+from ssdsl.gcpause import gc_paused
 from ssdsl.lower import Handler, Program, lower_rank, walk
 from ssdsl.lower.build import context_of
 from ssdsl.lower.instr import Coll, P2P
@@ -303,6 +304,7 @@ def _spans(*spans: Span | None) -> tuple[Span, ...]:
 # -- the module ------------------------------------------------------------------------------
 
 
+@gc_paused()
 def generate_rank(m: Materialized, rank: int, prov: Provenance,
                   program: Program | None = None) -> str:
     """The Python module of ``rank``: header, shard table, cited plan lines, instruction

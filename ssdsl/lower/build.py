@@ -56,6 +56,7 @@ from typing import Any
 import attrs
 import torch
 
+from ssdsl.gcpause import gc_paused
 from ssdsl.ir.graph import Op
 from ssdsl.ir.region import Region
 from ssdsl.lower.instr import (Backward, BackwardInput, BackwardWeight, Begin, Call, Coll, Comm,
@@ -101,6 +102,7 @@ class ProgramSet:
         return self.programs[rank]
 
 
+@gc_paused()
 def lower_plan(m: Materialized) -> ProgramSet:
     """One program per rank of ``m`` (``m.transformed.world`` ranks)."""
     ctx = _Context.of(m)

@@ -21,6 +21,7 @@ import torch
 
 from ssdsl.elaborate.directives import Zero
 from ssdsl.errors import SsdslError
+from ssdsl.gcpause import gc_paused
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.materialize.fanout import gather_fanouts
@@ -112,6 +113,7 @@ def source_names(t: Transformed) -> set[str]:
     return {*g.inputs, *g.params, *g.buffers, *g.constants}
 
 
+@gc_paused()
 def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
                 schedule: Any = None) -> Materialized:
     """Adapters for every produced tensor's uses, source uses, and the weight-gradient reducer.
