@@ -23,6 +23,7 @@ import torch
 from bench_trace import _gpt_module
 from ssdsl.elaborate import elaborate_file
 from ssdsl.errors import SsdslError
+from ssdsl.gcpause import gc_paused
 from ssdsl.runtime.job import schedule_plan
 from ssdsl.trace.export import _input_seeds, _TrainingForward, graph_from_export
 from ssdsl.trace.model_file import ModelFile, default_loss, default_optimizer
@@ -47,17 +48,20 @@ def main() -> None:
     a = p.parse_args()
     times: dict[str, float] = {}
 
+    # one plan per process, as ``ssdsl compile``: what each phase makes lives to the end, and the
+    # collector never scans it again (``ssdsl.gcpause``)
     t0 = time.perf_counter()
-    with torch.device("meta"):
+    paused = functools.partial(gc_paused, keep=True)
+    with paused(), torch.device("meta"):
         model = _gpt_module().build_gpt(n_layer=a.layers, n_head=a.heads, n_embd=a.hidden,
                                         block_size=a.seq, vocab=a.vocab)
-    idx = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device="meta")
-    batch = (idx[:, :-1], idx[:, 1:])
-    ep = torch.export.export(_TrainingForward(model, default_loss), batch, strict=False)
-    mf = ModelFile(path="gpt", build_model=lambda: model, get_batch_fn=lambda s, b: batch,
-                   loss=default_loss, make_optimizer=default_optimizer, batch_size=a.batch,
-                   input_dims=(("batch", "seq"),), has_optimizer=False)
-    graph = graph_from_export(ep, seeds=_input_seeds(mf, ep, 1), model=model)
+        idx = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device="meta")
+        batch = (idx[:, :-1], idx[:, 1:])
+        ep = torch.export.export(_TrainingForward(model, default_loss), batch, strict=False)
+        mf = ModelFile(path="gpt", build_model=lambda: model, get_batch_fn=lambda s, b: batch,
+                       loss=default_loss, make_optimizer=default_optimizer, batch_size=a.batch,
+                       input_dims=(("batch", "seq"),), has_optimizer=False)
+        graph = graph_from_export(ep, seeds=_input_seeds(mf, ep, 1), model=model)
     times["trace_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -65,12 +69,14 @@ def main() -> None:
     times["elaborate_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    t, lowered = schedule_plan(graph, plan)
+    with paused():
+        t, lowered = schedule_plan(graph, plan)
     times["transform_schedule_check_s"] = time.perf_counter() - t0
 
     from ssdsl.materialize.program import materialize
     t0 = time.perf_counter()
-    m = materialize(t, dtype=torch.float32, schedule=lowered)
+    with paused():
+        m = materialize(t, dtype=torch.float32, schedule=lowered)
     times["materialize_s"] = time.perf_counter() - t0
 
     from ssdsl.codegen import Provenance, generate_rank, write_programs

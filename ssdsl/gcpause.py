@@ -22,12 +22,20 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Cyclic garbage collection off inside the block (as it was after it)."""
+def gc_paused(*, keep: bool = False) -> Iterator[None]:
+    """Cyclic garbage collection off inside the block (as it was after it).
+
+    When it comes back on, the collector's youngest generation holds every object the block made
+    and the next collection scans them all once. ``keep``: instead, everything alive at the end
+    is moved out of the collector's view for good (``gc.freeze``): for a process that plans once
+    and exits (``ssdsl compile``, ``bench/bench_plan.py``), whose planning objects live as long
+    as it does; a cycle among them is never collected."""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if keep:
+            gc.freeze()
         if was:
             gc.enable()

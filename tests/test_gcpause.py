@@ -41,3 +41,14 @@ def test_a_decorated_phase_runs_with_it_off():
     phase()
     assert seen == [False] and gc.isenabled()
     assert materialize.__name__ == "materialize"  # the decorator keeps the phase's name
+
+
+def test_keep_moves_what_the_block_made_out_of_the_collectors_view():
+    before = gc.get_freeze_count()
+    try:
+        with gc_paused(keep=True):
+            made = [[i] for i in range(1000)]
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= before + len(made)
+    finally:
+        gc.unfreeze()
