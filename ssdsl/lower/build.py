@@ -950,11 +950,13 @@ class _RankLowering:
 def _free_forward_only(out: list[Any], made: dict[str, list[str]]) -> list[Any]:
     """A forward-only unit has no backward to free its values: free, at its ``End``, those that
     no later instruction reads (what it sends on, or a later unit of this rank reads, stays)."""
+    frozen = {ins.unit for ins in out if isinstance(ins, Begin) and not ins.grad}
+    if not frozen:
+        return out
     last: dict[str, int] = {}
     for i, ins in enumerate(out):
         for v in reads(ins):
             last[v] = i
-    frozen = {ins.unit for ins in out if isinstance(ins, Begin) and not ins.grad}
     result: list[Any] = []
     for i, ins in enumerate(out):
         if isinstance(ins, End) and ins.unit in frozen:
@@ -975,6 +977,8 @@ def _split_unit(unit: str) -> tuple[int, str, int]:
 def _fill_recompute(out: list[Any]) -> list[Any]:
     """Give each ``RecomputeBegin`` the values its region reads from outside and the values it
     makes that anything after it reads; drop regions without calls."""
+    if not any(isinstance(ins, RecomputeBegin) for ins in out):
+        return list(out)
     used_at: dict[str, list[int]] = {}
     for i, ins in enumerate(out):
         for v in reads(ins):
