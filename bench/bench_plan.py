@@ -4,9 +4,10 @@ generated for every rank (DESIGN §8). Prints the time of each phase as JSON.
     .venv/bin/python bench/bench_plan.py --layers 24 --hidden 1024 --heads 16 --plan megatron_tp --world 8
     .venv/bin/python bench/bench_plan.py --plan dp_tp_1f1b --set dp=2 --set tp=2 --world 8
 
-Codegen writes every rank's file as it is made (into ``-o DIR``, or a temporary folder it removes),
-so the peak memory is the plan's, not the files'. It is skipped for plans it refuses and reported
-as such.
+Times are wall-clock seconds; ``cpu`` gives the process's CPU seconds of each phase (on a shared
+machine, what another process's load does not inflate). Codegen writes every rank's file as it is
+made (into ``-o DIR``, or a temporary folder it removes), so the peak memory is the plan's, not the
+files'. It is skipped for plans it refuses and reported as such.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from bench_trace import _gpt_module
 from ssdsl.elaborate import elaborate_file
 from ssdsl.errors import SsdslError
+from ssdsl.gcpause import gc_paused
 from ssdsl.runtime.job import schedule_plan
 from ssdsl.trace.export import _input_seeds, _TrainingForward, graph_from_export
 from ssdsl.trace.model_file import ModelFile, default_loss, default_optimizer
@@ -46,35 +48,45 @@ def main() -> None:
                    help="keep the per-rank files in DIR (default: a temporary folder, removed)")
     a = p.parse_args()
     times: dict[str, float] = {}
+    cpu: dict[str, float] = {}  # this process's CPU time: what a loaded machine does not inflate
 
-    t0 = time.perf_counter()
-    with torch.device("meta"):
+    # one plan per process, as ``ssdsl compile``: what each phase makes lives to the end, and the
+    # collector never scans it again (``ssdsl.gcpause``)
+    t0, c0 = time.perf_counter(), time.process_time()
+    paused = functools.partial(gc_paused, keep=True)
+    with paused(), torch.device("meta"):
         model = _gpt_module().build_gpt(n_layer=a.layers, n_head=a.heads, n_embd=a.hidden,
                                         block_size=a.seq, vocab=a.vocab)
-    idx = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device="meta")
-    batch = (idx[:, :-1], idx[:, 1:])
-    ep = torch.export.export(_TrainingForward(model, default_loss), batch, strict=False)
-    mf = ModelFile(path="gpt", build_model=lambda: model, get_batch_fn=lambda s, b: batch,
-                   loss=default_loss, make_optimizer=default_optimizer, batch_size=a.batch,
-                   input_dims=(("batch", "seq"),), has_optimizer=False)
-    graph = graph_from_export(ep, seeds=_input_seeds(mf, ep, 1), model=model)
+        idx = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device="meta")
+        batch = (idx[:, :-1], idx[:, 1:])
+        ep = torch.export.export(_TrainingForward(model, default_loss), batch, strict=False)
+        mf = ModelFile(path="gpt", build_model=lambda: model, get_batch_fn=lambda s, b: batch,
+                       loss=default_loss, make_optimizer=default_optimizer, batch_size=a.batch,
+                       input_dims=(("batch", "seq"),), has_optimizer=False)
+        graph = graph_from_export(ep, seeds=_input_seeds(mf, ep, 1), model=model)
     times["trace_s"] = time.perf_counter() - t0
+    cpu["trace_s"] = time.process_time() - c0
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     plan = elaborate_file(a.plan, world=a.world, sets=dict(s.split("=", 1) for s in a.set))
     times["elaborate_s"] = time.perf_counter() - t0
+    cpu["elaborate_s"] = time.process_time() - c0
 
-    t0 = time.perf_counter()
-    t, lowered = schedule_plan(graph, plan)
+    t0, c0 = time.perf_counter(), time.process_time()
+    with paused():
+        t, lowered = schedule_plan(graph, plan)
     times["transform_schedule_check_s"] = time.perf_counter() - t0
+    cpu["transform_schedule_check_s"] = time.process_time() - c0
 
     from ssdsl.materialize.program import materialize
-    t0 = time.perf_counter()
-    m = materialize(t, dtype=torch.float32, schedule=lowered)
+    t0, c0 = time.perf_counter(), time.process_time()
+    with paused():
+        m = materialize(t, dtype=torch.float32, schedule=lowered)
     times["materialize_s"] = time.perf_counter() - t0
+    cpu["materialize_s"] = time.process_time() - c0
 
     from ssdsl.codegen import Provenance, generate_rank, write_programs
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     codegen = "ok"
     prov = Provenance.of("gpt.py", plan)
     with tempfile.TemporaryDirectory(prefix="bench_plan.") as tmp:
@@ -90,14 +102,19 @@ def main() -> None:
         except SsdslError as err:
             codegen, ranks = f"skipped: {err.message}", range(a.world)
         times["codegen_s"] = time.perf_counter() - t0
+        cpu["codegen_s"] = time.process_time() - c0
     times["total_s"] = sum(times.values())
+    cpu["total_s"] = sum(cpu.values())
     if len(ranks) < a.world:
         times["codegen_est_s"] = times["codegen_s"] * a.world / len(ranks)
         times["total_est_s"] = times["total_s"] - times["codegen_s"] + times["codegen_est_s"]
+        cpu["codegen_est_s"] = cpu["codegen_s"] * a.world / len(ranks)
+        cpu["total_est_s"] = cpu["total_s"] - cpu["codegen_s"] + cpu["codegen_est_s"]
     print(json.dumps({"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "seq": a.seq,
                       "plan": a.plan, "world": a.world, "sets": a.set, "ops": len(graph.ops),
                       "parts": sum(len(v) for v in t.parts.values()), "edges": len(m.edges),
                       "codegen": codegen, **{k: round(v, 2) for k, v in times.items()},
+                      "cpu": {k: round(v, 2) for k, v in cpu.items()},
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024},
                      indent=1))
 

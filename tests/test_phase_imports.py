@@ -18,7 +18,8 @@ PKG = Path(__file__).resolve().parent.parent / "ssdsl"
 # import only base modules.
 PHASES = ["parse", "elaborate", "trace", "transform", "schedule", "materialize", "cost", "lower",
           "check", "codegen", "runtime", "api", "cli"]
-BASE = {"source", "errors", "resources", "schema", "ir", "ops", "__init__", "__main__", ""}
+BASE = {"source", "errors", "resources", "schema", "gcpause", "ir", "ops", "__init__", "__main__",
+        ""}
 
 
 def _top(name: str) -> str | None:

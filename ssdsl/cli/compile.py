@@ -35,15 +35,17 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ssdsl.cli._resolve import _resolve, lower_and_check
     from ssdsl.codegen import Provenance, generate_rank, write_programs
+    from ssdsl.gcpause import gc_paused
     from ssdsl.materialize.program import materialize
     from ssdsl.trace import trace
     from ssdsl.trace.model_file import load_model_file
 
     mf = load_model_file(args.model)
     plan = elaborate_from_args(args.plan, args)
-    t, lowered = _resolve(trace(mf, device="meta"), plan)
-    m = materialize(t, schedule=lowered)
-    programs = lower_and_check(m)
+    with gc_paused(keep=True):  # one plan per process: what planning makes lives to the end
+        t, lowered = _resolve(trace(mf, device="meta"), plan)
+        m = materialize(t, schedule=lowered)
+        programs = lower_and_check(m)
     prov = Provenance.of(args.model, plan)
     texts: dict[str, Any] = {}  # each made as it is written: one module held at a time
     for p in programs:

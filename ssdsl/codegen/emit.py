@@ -25,6 +25,7 @@ import attrs
 import ssdsl
 from ssdsl.codegen.text import literal, region_text
 from ssdsl.errors import SsdslError
+from ssdsl.gcpause import gc_paused
 from ssdsl.lower import Handler, Program, lower_rank, walk
 from ssdsl.lower.build import context_of
 from ssdsl.lower.instr import Coll, P2P
@@ -95,6 +96,7 @@ class _Emitter(Handler):
         self._shard_set: set[tuple[str, str, str]] = set()  # every micro-batch takes them again
         self.depth = 1
         self.regions: list[tuple[str, str]] = []
+        self._wheres: dict[tuple, tuple[str, tuple[Span, ...]]] = {}
 
     def _const(self, ins: Any) -> str:
         name = f"I{len(self.consts)}"
@@ -130,28 +132,32 @@ class _Emitter(Handler):
 
     def on_call(self, ins) -> None:
         lc = ins.call
-        arg = lambda x: literal(x, lambda i: f"v[{ins.ins[i]!r}]")  # noqa: E731
-        args = [arg(x) for x in lc.args] + [f"{k}={arg(x)}" for k, x in lc.kwargs]
-        target = "aten.reshape.default" if lc.target == "aten.view.default" else lc.target
-        # (a view of a received activation may not alias its input; reshape gives the same values)
-        ns, _, rest = target.partition(".")
-        fn = f"aten.{rest}" if ns == "aten" else f"torch.ops.{target}"
-        call = f"{fn}({', '.join(args)})"
+        pieces = _call_pieces(lc, ins.listy)  # one per call object: every micro-batch shares it
+        rhs = "".join(x if type(x) is str else f"v[{ins.ins[x]!r}]" for x in pieces)
         outs = [f"v[{o!r}]" for o in ins.outs]
         if ins.listy:
             lhs = ", ".join(outs) + ("," if len(outs) == 1 else "")
-            rhs = call if lc.scale == 1.0 else f"(o * {lc.scale!r} for o in {call})"
         else:
-            lhs, rhs = outs[0], (call if lc.scale == 1.0 else f"{call} * {lc.scale!r}")
-        op = self.graph.op(ins.op)
-        part = next((p for p in self.placed.get((ins.op, self.program.rank), ())
-                     if p.index == ins.part), None)
-        where = f"{op.module or '(top)'} part {_index(part) if part else ins.part}"
-        spans = _spans(part.span, part.assigned_at) if part else _spans(ins.span)
+            lhs = outs[0]
+        where, spans = self._where(ins)
         self.stmts.append(Stmt(f"{lhs} = {rhs}", where, spans, self.depth))
         if ins.loss:
             self.stmts.append(Stmt(f"rt.loss({outs[0]}, {ins.count!r})", "a loss part", spans,
                                    self.depth))
+
+    def _where(self, ins) -> tuple[str, tuple[Span, ...]]:
+        """The note and plan lines of a call of part ``ins.part`` of ``ins.op`` (asked again by
+        every micro-batch: found once per rank)."""
+        key = (ins.op, ins.part, ins.span)
+        found = self._wheres.get(key)
+        if found is None:
+            op = self.graph.op(ins.op)
+            part = next((p for p in self.placed.get((ins.op, self.program.rank), ())
+                         if p.index == ins.part), None)
+            where = f"{op.module or '(top)'} part {_index(part) if part else ins.part}"
+            spans = _spans(part.span, part.assigned_at) if part else _spans(ins.span)
+            found = self._wheres[key] = (where, spans)
+        return found
 
     def on_cut(self, ins) -> None:
         self._hand(ins, f"{ins.out} = {ins.src} cut from its segment")
@@ -225,6 +231,43 @@ class _Emitter(Handler):
         self._hand(ins, "optimizer step on this rank's shards")
 
 
+# A call's right-hand side as text pieces and slot numbers (where ``v[name]`` of the input goes),
+# made once per call object (kept alive with its pieces, so that its id is not reused while
+# cached; calls compare equal across texts, ``1 == 1.0``, so they are cached by identity).
+_CALL_PIECES: dict[tuple[int, bool], tuple[Any, tuple[str | int, ...]]] = {}
+_SLOT_MARK = "\x00"  # never in a literal's text: repr escapes it
+
+
+def _call_pieces(lc: Any, listy: bool) -> tuple[str | int, ...]:
+    hit = _CALL_PIECES.get((id(lc), listy))
+    if hit is not None and hit[0] is lc:
+        return hit[1]
+    slots: list[int] = []
+
+    def mark(i: int) -> str:
+        slots.append(i)
+        return _SLOT_MARK
+
+    args = [literal(x, mark) for x in lc.args] + [f"{k}={literal(x, mark)}" for k, x in lc.kwargs]
+    target = "aten.reshape.default" if lc.target == "aten.view.default" else lc.target
+    # (a view of a received activation may not alias its input; reshape gives the same values)
+    ns, _, rest = target.partition(".")
+    fn = f"aten.{rest}" if ns == "aten" else f"torch.ops.{target}"
+    call = f"{fn}({', '.join(args)})"
+    if lc.scale != 1.0:
+        call = f"(o * {lc.scale!r} for o in {call})" if listy else f"{call} * {lc.scale!r}"
+    texts = call.split(_SLOT_MARK)
+    if len(texts) != len(slots) + 1:
+        raise AssertionError(f"a call's text holds the slot mark: {call!r}")
+    pieces: list[str | int] = [texts[0]]
+    for i, text in zip(slots, texts[1:]):
+        pieces += [i, text]
+    if len(_CALL_PIECES) >= 1 << 16:
+        _CALL_PIECES.clear()
+    _CALL_PIECES[(id(lc), listy)] = (lc, tuple(pieces))
+    return tuple(pieces)
+
+
 def _steps_text(steps: Sequence[Any]) -> str:
     parts = []
     for s in steps:
@@ -261,6 +304,7 @@ def _spans(*spans: Span | None) -> tuple[Span, ...]:
 # -- the module ------------------------------------------------------------------------------
 
 
+@gc_paused()
 def generate_rank(m: Materialized, rank: int, prov: Provenance,
                   program: Program | None = None) -> str:
     """The Python module of ``rank``: header, shard table, cited plan lines, instruction
@@ -322,9 +366,14 @@ def _body(e: _Emitter) -> str:
 
 
 def _line(s: Stmt) -> str:
-    where = ", ".join(cite(c) for c in s.cites)
+    where = _cites(s.cites)
     note = "; ".join(x for x in (s.note, where) if x)
     return f"{s.code}  # {note}" if note else s.code
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _cites(spans: tuple[Span, ...]) -> str:  # equal spans have equal positions: equal text
+    return ", ".join(cite(c) for c in spans)
 
 
 def _legend(stmts: Sequence[Stmt]) -> list[str]:

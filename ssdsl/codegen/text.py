@@ -6,6 +6,7 @@ the same plan on the same model gives the same files byte for byte.
 
 from __future__ import annotations
 
+import functools
 import keyword
 import math
 import re
@@ -70,6 +71,7 @@ def literal(value: Any, slot: Callable[[int], str]) -> str:
     raise TypeError(f"no code form for argument {value!r} ({type(value).__name__})")
 
 
+@functools.lru_cache(maxsize=1 << 14)  # a region's fields are ints: equal regions, equal text
 def region_text(region: Region) -> str:
     """``"0:4 x 0:32"``: per dim its intervals (``|`` between the runs of a strided dim).
 

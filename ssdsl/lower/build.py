@@ -56,6 +56,7 @@ from typing import Any
 import attrs
 import torch
 
+from ssdsl.gcpause import gc_paused
 from ssdsl.ir.graph import Op
 from ssdsl.ir.region import Region
 from ssdsl.lower.instr import (Backward, BackwardInput, BackwardWeight, Begin, Call, Coll, Comm,
@@ -101,6 +102,7 @@ class ProgramSet:
         return self.programs[rank]
 
 
+@gc_paused()
 def lower_plan(m: Materialized) -> ProgramSet:
     """One program per rank of ``m`` (``m.transformed.world`` ranks)."""
     ctx = _Context.of(m)
@@ -338,6 +340,8 @@ class _RankLowering:
         self._spans: dict[tuple, Span | None] = {}
         self._views: dict[int, tuple[Any, RankView]] = {}  # id(adapter) -> (it, its view)
         self._role_of: dict[int, tuple[bool, bool, int, tuple, tuple]] = {}
+        self._here: dict[tuple[str, str, int], tuple[Edge | None, bool]] = {}
+        self._sends_of: dict[str, list[tuple[Edge, tuple[str, str, int]]]] = {}
 
     # -- driver ------------------------------------------------------------------------------
     def program(self) -> Program:
@@ -474,10 +478,8 @@ class _RankLowering:
                 self._close_region()
             if not last:
                 continue
-            for key in self.c.after.get(op.name, ()):
-                edge = self.m.edges[key]
-                if self.rank in edge.adapter.devices and not self._at_consumer(key):
-                    self._adapter(edge, key, unit, mb, part)
+            for edge, key in self._sends(op.name):
+                self._adapter(edge, key, unit, mb, part)
         self._close_region()
         if self.z3:
             self._free_after_last_use(unit, unit_start)
@@ -653,15 +655,35 @@ class _RankLowering:
         held = self.c.placed.get((op, self.rank), ())
         return f"{tensor}@{mb}" if len(held) < 2 else f"{tensor}~{held.index(part)}@{mb}"
 
+    def _edge_here(self, key: tuple[str, str, int]) -> tuple[Edge | None, bool]:
+        """Edge ``key`` (None: a source's use) and whether this rank takes part in it at the
+        consumer (once per rank: every micro-batch asks again)."""
+        found = self._here.get(key)
+        if found is None:
+            edge = self.m.edges.get(key)
+            found = self._here[key] = (edge, edge is not None and self.rank in edge.adapter.devices
+                                       and self._at_consumer(key))
+        return found
+
+    def _sends(self, op: str) -> list[tuple[Edge, tuple[str, str, int]]]:
+        """The edges ``op`` feeds whose adapter this rank writes right after it (it takes part
+        but holds no part of the consumer's stage: a send to a later stage), once per rank."""
+        found = self._sends_of.get(op)
+        if found is None:
+            found = self._sends_of[op] = [
+                (self.m.edges[key], key) for key in self.c.after.get(op, ())
+                if self.rank in self.m.edges[key].adapter.devices and not self._at_consumer(key)]
+        return found
+
     def _at_consumer(self, key: tuple[str, str, int]) -> bool:
         return self.rank in self.c.stage_devices[self.t.stage(key[1])]
 
     def _input(self, op: Op, slot: int, name: str, part: Part | None, unit: str, stage: int,
                mb: int) -> str | None:
         key = (name, op.name, slot)
-        edge = self.m.edges.get(key)
+        edge, mine = self._edge_here(key)
         if edge is not None:
-            if self.rank not in edge.adapter.devices or not self._at_consumer(key):
+            if not mine:
                 return None
             # one adapter per edge serves every part here: written where the first needs it
             if (key, mb) not in self.edge_outs:
@@ -948,11 +970,13 @@ class _RankLowering:
 def _free_forward_only(out: list[Any], made: dict[str, list[str]]) -> list[Any]:
     """A forward-only unit has no backward to free its values: free, at its ``End``, those that
     no later instruction reads (what it sends on, or a later unit of this rank reads, stays)."""
+    frozen = {ins.unit for ins in out if isinstance(ins, Begin) and not ins.grad}
+    if not frozen:
+        return out
     last: dict[str, int] = {}
     for i, ins in enumerate(out):
         for v in reads(ins):
             last[v] = i
-    frozen = {ins.unit for ins in out if isinstance(ins, Begin) and not ins.grad}
     result: list[Any] = []
     for i, ins in enumerate(out):
         if isinstance(ins, End) and ins.unit in frozen:
@@ -973,6 +997,8 @@ def _split_unit(unit: str) -> tuple[int, str, int]:
 def _fill_recompute(out: list[Any]) -> list[Any]:
     """Give each ``RecomputeBegin`` the values its region reads from outside and the values it
     makes that anything after it reads; drop regions without calls."""
+    if not any(isinstance(ins, RecomputeBegin) for ins in out):
+        return list(out)
     used_at: dict[str, list[int]] = {}
     for i, ins in enumerate(out):
         for v in reads(ins):

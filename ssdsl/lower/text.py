@@ -49,15 +49,28 @@ def instruction_text(ins: Any, *, without_span: bool = False) -> str:
 
 
 def _fields(obj: Any, skip: str | None = None) -> str:
-    out = []
-    for name, default in _defaults(type(obj)):
+    return _renderer(type(obj), skip)(obj)
+
+
+@functools.cache
+def _renderer(cls: type, skip: str | None) -> Any:
+    """``cls``'s fields as text, written out once per class: each field (``skip`` left out),
+    unless it is at its default (same type and equal), as ``name=<_lit of it>``."""
+    env: dict[str, Any] = {"_lit": _lit}
+    lines = ["def render(obj):", "    out = []"]
+    for i, (name, default) in enumerate(_defaults(cls)):
         if name == skip:
             continue
-        v = getattr(obj, name)
-        if default is not attrs.NOTHING and _same(v, default):
-            continue
-        out.append(f"{name}={_lit(v)}")
-    return ", ".join(out)
+        lines.append(f"    v = obj.{name}")
+        put = f"    out.append({name + '='!r} + _lit(v))"
+        if default is attrs.NOTHING:
+            lines.append(put)
+        else:
+            env[f"d{i}"], env[f"t{i}"] = default, type(default)
+            lines += [f"    if not (type(v) is t{i} and v == d{i}):", "    " + put]
+    lines.append('    return ", ".join(out)')
+    exec("\n".join(lines), env)  # noqa: S102 - text made here from the class's field names
+    return env["render"]
 
 
 @functools.cache
@@ -65,10 +78,6 @@ def _defaults(cls: type) -> tuple[tuple[str, Any], ...]:
     """Each field of ``cls`` with the default its text leaves out (``NOTHING``: none)."""
     return tuple((f.name, attrs.NOTHING if isinstance(f.default, attrs.Factory) else f.default)
                  for f in attrs.fields(cls))
-
-
-def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b
 
 
 # Regions and spans recur across the instructions of every rank (a 1,024-rank plan writes

@@ -12,7 +12,7 @@ devices that hold the same region by the reducer; a part that is one of R replic
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 
 from ssdsl.elaborate.directives import Zero
 from ssdsl.errors import SsdslError
+from ssdsl.gcpause import gc_paused
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.materialize.fanout import gather_fanouts
@@ -112,6 +113,7 @@ def source_names(t: Transformed) -> set[str]:
     return {*g.inputs, *g.params, *g.buffers, *g.constants}
 
 
+@gc_paused()
 def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
                 schedule: Any = None) -> Materialized:
     """Adapters for every produced tensor's uses, source uses, and the weight-gradient reducer.
@@ -342,6 +344,7 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
         readers.setdefault((name, region), []).append((key, p, who))
     weights: list[Weight] = []
     scales: dict[tuple, float] = {}
+    unit = _units(t)
     for (name, region), by_device in holders.items():
         classes: dict[tuple, list[int]] = {}
         for device, sig in sorted(by_device.items()):
@@ -351,7 +354,7 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
         if len(sizes) == 1:
             for i in range(sizes.pop()):
                 group = tuple((c[i], region) for c in classes.values())
-                weights.append(Weight(name, shape, dtype, group, _unit(t, name)))
+                weights.append(Weight(name, shape, dtype, group, unit(name)))
             # Replicas of one part on one device (co-shard) compute copies of one gradient,
             # and the device's leaf adds them: each counts 1/m of it.
             for key, p, who in readers[(name, region)]:
@@ -360,18 +363,30 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
                     scales[key] = 1.0 / m
             continue
         weights.append(Weight(name, shape, dtype, tuple((d, region) for d in sorted(by_device)),
-                              _unit(t, name)))
+                              unit(name)))
         for key, p, _ in readers[(name, region)]:
             scales[key] = 1.0 / _copies(t, p, key[2], partial)
     return weights, scales
 
 
-def _unit(t: Transformed, name: str) -> str:
+def _units(t: Transformed) -> Callable[[str], str]:
     """A weight's module unit, with the pipeline stage of its reader (a parameter has one
     reader, ``ssdsl.trace.shared``): so no stage-3 bucket mixes two stages, even where one rank
-    holds several (interleaved schedules), and each is gathered by its own stage's units."""
-    stages = sorted({t.stage(op.name) for op in t.graph.ops if name in op.inputs})
-    return f"{','.join(map(str, stages))}:{module_unit(t.graph.params.get(name, name))}"
+    holds several (interleaved schedules), and each is gathered by its own stage's units. The
+    readers' stages are found in one pass over the graph (a weight per region asks again)."""
+    stages: dict[str, set[int]] = {}
+    for op in t.graph.ops:
+        for name in op.inputs:
+            stages.setdefault(name, set()).add(t.stage(op.name))
+    found: dict[str, str] = {}
+
+    def unit(name: str) -> str:
+        if name not in found:
+            found[name] = (f"{','.join(map(str, sorted(stages.get(name, ()))))}:"
+                           f"{module_unit(t.graph.params.get(name, name))}")
+        return found[name]
+
+    return unit
 
 
 def _check_zero3(t: Transformed, reducer: GradReducer, schedule: Any) -> None:

@@ -24,6 +24,7 @@ import attrs
 
 from ssdsl.errors import ErrorCollector
 from ssdsl.elaborate.directives import Assign, Microbatch, Path, Recompute, Stages, StageRef
+from ssdsl.gcpause import gc_paused
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.graph import Op
 from ssdsl.ops import Annotation
@@ -216,6 +217,7 @@ def _stage_assigns(t: Transformed, st: Stages, stage_of: dict[str, int]):
     return out
 
 
+@gc_paused()
 def resolve_pipeline(t: Transformed) -> tuple[Transformed, Lowered | None]:
     """Stages placed, micro-batches split, and the schedule lowered (None without ``stages``)."""
     found = [d for d in t.deferred if isinstance(d, Stages)]

@@ -11,6 +11,7 @@ error with the nearest module paths or kinds suggested.
 from __future__ import annotations
 
 from ssdsl.elaborate.directives import ElaboratedPlan
+from ssdsl.gcpause import gc_paused
 from ssdsl.ir.graph import Graph
 from ssdsl.transform.apply import apply_directives
 from ssdsl.transform.errors import (
@@ -22,6 +23,7 @@ __all__ = ["transform", "Part", "Transformed", "TransformError", "EmptySelection
            "PartCountMismatch", "UnplacedPart", "BadDevice"]
 
 
+@gc_paused()
 def transform(graph: Graph, plan: ElaboratedPlan, *, require_placement: bool = True
               ) -> Transformed:
     """The parts of ``graph``'s operators under ``plan``'s partition, replicate and assign."""

@@ -216,11 +216,11 @@ class _Builder:
             if pieces is None:
                 start, stop = dict(part.ranges).get(label, (0, size))
                 raise _indivisible(self.graph.op(name), label, stop - start, n, span, ann)
-            for k, ranges in enumerate(pieces):
-                try:
-                    sub = ann.partition(call, ranges)
-                except SsdslError as err:
-                    raise _at(err, span) from None
+            try:  # the pieces differ in ``label`` only: derived together
+                subs = ann.partition_along(call, label, pieces)
+            except SsdslError as err:
+                raise _at(err, span) from None
+            for k, (ranges, sub) in enumerate(zip(pieces, subs)):
                 out.append(Part(name, part.index + (k,), part.replica + (False,),
                                 tuple(sorted(ranges.items())), sub, span=span))
         self.parts[name] = out

@@ -136,9 +136,8 @@ def _first_pieces(t: Transformed, op, label: str | None, d: Microbatch, consumed
     marks = ann._labels()
     same_call = reads_extents_only(ann.lower) and marks[label].mark != "reduced"
     call = call_of(t.graph, op)
-    memo: dict = {}  # micro-batch 0 ranges -> sub: parts that differ only in replica entries
-    out = []
-    for part in t.parts[op.name]:
+    keys, r0s = [], {}  # micro-batch 0 ranges of each part; parts that differ only in replica
+    for part in t.parts[op.name]:  # entries share one
         ranges = dict(part.ranges)
         start, stop = ranges.get(label, (0, size))
         if (stop - start) % d.count:
@@ -146,24 +145,31 @@ def _first_pieces(t: Transformed, op, label: str | None, d: Microbatch, consumed
         share = (stop - start) // d.count
         r0 = {**ranges, label: (start, start + share)}
         key = tuple(sorted(r0.items()))
-        hit = memo.get(key)
-        if hit is None:
-            try:
-                sub = ann.partition(call, r0)
+        keys.append((key, share))
+        r0s.setdefault(key, (r0, part, ranges, start, share))
+    # the subs of ranges that differ only in the batch label are derived together
+    # (``partition_along``: the first in full, the others only in the dims of the label)
+    rows: dict[tuple, list[tuple]] = {}
+    for key, (r0, *_) in r0s.items():
+        rows.setdefault(tuple(kv for kv in key if kv[0] != label), []).append(key)
+    memo: dict = {}
+    try:
+        for row in rows.values():
+            for key, sub in zip(row, ann.partition_along(call, label, [r0s[k][0] for k in row])):
+                _, part, ranges, start, share = r0s[key]
                 if not same_call and any(
                         ann.partition(call, {**ranges, label: (start + k * share,
                                                                start + (k + 1) * share)}).local
                         != sub.local for k in range(1, d.count)):
                     return None
-            except SsdslError:
-                return None
-            if len(sub.value) > len(part.sub.value) and consumed:
-                return None
-            hit = memo[key] = sub
-        sub = hit
-        out.append((Part(part.op, part.index, part.replica, key, sub, part.device, part.span,
-                         part.assigned_at), share))
-    return out
+                if len(sub.value) > len(part.sub.value) and consumed:
+                    return None
+                memo[key] = sub
+    except SsdslError:
+        return None
+    return [(Part(part.op, part.index, part.replica, key, memo[key], part.device, part.span,
+                  part.assigned_at), share)
+            for part, (key, share) in zip(t.parts[op.name], keys)]
 
 
 def _note_moves(t: Transformed, op, part: Part, label: str | None, share: int,
