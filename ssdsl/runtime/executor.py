@@ -19,6 +19,7 @@ order of every collective and message, backward included, is the program's.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -33,6 +34,7 @@ from ssdsl.lower.instr import Coll, P2P
 from ssdsl.materialize.program import Materialized
 from ssdsl.runtime.comm import (coll_on_rank, isend, local_coll, start_all_gather_into,
                                 start_reduce_scatter, wait_sends)
+from ssdsl.runtime.early import EarlyRecv, early_receives
 from ssdsl.runtime.groups import ProcessGroups, groups_of
 from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.reference import to_dtype
@@ -544,20 +546,50 @@ class DistRunner(Runner):
         self.groups = groups
         # reduce-scatters in flight: work, shard, result, input (kept alive until done)
         self.pending: list[tuple[Any, ZeroShard, torch.Tensor, torch.Tensor]] = []
+        # receives posted before the instruction that waits for them (``ssdsl.runtime.early``):
+        # what to post at the start of each unit of a whole step, and what is posted
+        self.early: tuple[tuple[EarlyRecv, ...], ...] = ()
+        self.posted: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._units = 0
+
+    def start(self, batch: tuple[torch.Tensor, ...]) -> None:
+        super().start(batch)
+        self._units = 0
+
+    def on_begin(self, ins) -> None:
+        super().on_begin(ins)
+        i, self._units = self._units, self._units + 1
+        for r in self.early[i] if i < len(self.early) else ():
+            buf = torch.empty(r.shape, dtype=_dtype(r.dtype, self.dtype), device=self.device)
+            self.posted[(r.peer, r.tag)] = (dist.irecv(buf, r.peer, tag=r.tag), buf)
+
+    def _posted(self, w: Wait) -> torch.Tensor | None:
+        """The buffer of ``w``'s receive if it was posted early, after waiting for it."""
+        got = self.posted.pop((w.what.peer, w.what.tag), None)
+        if got is None:
+            return None
+        got[0].wait()
+        return got[1]
 
     def meet(self, w: Wait) -> Iterator[Wait]:
         if isinstance(w.what, Coll):
             w.result = coll_on_rank(w.what, self.rank, w.payload, self.groups)
         else:
-            dist.recv(w.payload, w.what.peer, tag=w.what.tag)
-            w.result = w.payload
+            w.result = self._posted(w)
+            if w.result is None:
+                dist.recv(w.payload, w.what.peer, tag=w.what.tag)
+                w.result = w.payload
         return iter(())
 
     def meet_all(self, ws: list[Wait]) -> Iterator[Wait]:
-        reqs = [dist.irecv(w.payload, w.what.peer, tag=w.what.tag) for w in ws]
+        reqs = [None if (w.what.peer, w.what.tag) in self.posted
+                else dist.irecv(w.payload, w.what.peer, tag=w.what.tag) for w in ws]
         for w, req in zip(ws, reqs):
-            req.wait()
-            w.result = w.payload
+            if req is None:
+                w.result = self._posted(w)
+            else:
+                req.wait()
+                w.result = w.payload
         return iter(())
 
     def post(self, msg, piece: torch.Tensor, ins: Any) -> None:
@@ -641,6 +673,7 @@ class RankProgram:
                                    optimizer_params(self.state.leaves, self.zero))
         self.runner = DistRunner(rank, self.state, dtype=dtype, opt=self.opt, groups=groups,
                                  zero=self.zero)
+        self._early: tuple | None = None  # early_receives(program), on the first whole step
 
     def _init_state(self, model: torch.nn.Module) -> RankState:
         """This rank's shards (swap this to initialise them otherwise)."""
@@ -728,10 +761,27 @@ class RankProgram:
         forward, backward, gradient buckets, optimizer step; returns the batch's loss."""
         self.opt.zero_grad(set_to_none=True)
         self.begin(batch)
-        for _ in walk(self.program, self.runner):
-            raise RuntimeError("a distributed runner never waits")
+        with self.whole_step():
+            for _ in walk(self.program, self.runner):
+                raise RuntimeError("a distributed runner never waits")
         self.runner.env, self.runner.grads = {}, {}
         return self.runner.loss_total
+
+    @contextmanager
+    def whole_step(self) -> Iterator[None]:
+        """Around a walk of the whole program: receives are posted a unit ahead
+        (``ssdsl.runtime.early``; a partial walk, ``run_unit``, posts none)."""
+        runner = self.runner
+        if self._early is None:
+            self._early = early_receives(self.program)
+        runner.early = self._early
+        try:
+            yield
+        finally:
+            runner.early = ()
+        if runner.posted:  # every posted receive is waited for by its instruction
+            raise RuntimeError(f"rank {self.rank}: receives posted early and never waited for: "
+                               f"{sorted(runner.posted)}")
 
     # -- results ---------------------------------------------------------------------------------
     def _gather_weights(self) -> None:
