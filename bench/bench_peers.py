@@ -215,6 +215,8 @@ def eager_worker(model_path: str, steps: int) -> tuple[list[float], list[float]]
 # runtime levers that ``--off`` can turn off, each as (module, attribute, value when off)
 LEVERS = {
     "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
+    "prebuilt": ("ssdsl.runtime.executor", "PREBUILD", False),
+    "overlap": ("ssdsl.runtime.overlap", "PART_BYTES", 0),
 }
 
 
