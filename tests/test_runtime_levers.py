@@ -104,6 +104,7 @@ def test_overlap_parts_start_from_the_bucket_end_and_stop_at_a_meeting():
     blocked = Program(0, 2, (Backward((), (), ()), LossSum((0, 1)), b, OptimizerStep()))
     assert overlap_plan(blocked, sizes, part_bytes=32) is None  # a collective stands between
     assert overlap_plan(prog, sizes, part_bytes=0) is None
+    assert overlap_plan(prog, sizes, part_bytes=1 << 20) is None  # one part: left in place
 
 
 def test_early_receives_skip_a_tag_used_twice():

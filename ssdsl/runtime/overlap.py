@@ -15,6 +15,11 @@ buckets, whatever the timing. Nothing else meets on the way (that is what makes 
 eligible), so the collectives each group sees are the program's, the bucket's one all-reduce
 carried in consecutive pieces; the bucket's instruction waits for them where the program puts
 it. A part sums the same elements as the whole bucket would.
+
+A bucket of one part is left where it stands, and so are the buckets after it: on gloo here an
+all-reduce handed to the process group's thread and waited for later cost more than one run in
+place when there is nothing to overlap it with (the tiny GPT's 5 ms step: 1.06 against 1.00,
+``bench/bench_levers.py``).
 """
 
 from __future__ import annotations
@@ -73,5 +78,8 @@ def overlap_plan(program: Program, nbytes: dict, *, part_bytes: int | None = Non
             continue
         if ins.kind != "reduce" or ins.zero or len(ins.group) < 2:
             break
-        parts[ins.bucket] = _parts(ins, [nbytes[e] for e in ins.entries], part_bytes)
+        split = _parts(ins, [nbytes[e] for e in ins.entries], part_bytes)
+        if len(split) < 2:  # a small bucket: its one all-reduce is quicker where it stands
+            break  # (and the buckets after it must not start before it)
+        parts[ins.bucket] = split
     return OverlapPlan(len(lasts) - 1, parts) if parts else None
