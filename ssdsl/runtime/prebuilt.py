@@ -4,7 +4,7 @@ A step of a small model spends as long in the interpreter's own Python (binding 
 re-deriving a region's slices, dispatching by name) as in its ATen calls. ``prebuild(runner,
 ins)`` returns a closure that does exactly what ``runner.on_<kind>(ins)`` does, with everything
 that depends only on the instruction computed here: the ATen overload, which argument positions
-take which values, the narrowing of a batch input. ``Runner.visit`` keeps one per instruction.
+take which values, the narrowing of a batch input, the leaf a weight's shard is. ``Runner.visit`` keeps one per instruction.
 
 A closure meets a case it was not built for (a call that raises, a batch of another shape) by
 handing the instruction to the ordinary handler, which then does the whole of it: what runs is
@@ -111,7 +111,23 @@ def _input(runner: Any, ins: Any) -> Handler:
     return run
 
 
-_BUILDERS: dict[str, Callable[[Any, Any], Handler]] = {"call": _call, "input": _input}
+def _param(runner: Any, ins: Any) -> Handler:
+    if ins.scale != 1.0:
+        return runner.on_param
+    state = runner.state
+    leaf = state.leaves[(ins.tensor, ins.region)]  # a leaf is never replaced (the optimizer
+    out = ins.out                                  # holds it too)
+
+    def run(_ins: Any) -> None:
+        if runner.state is not state:
+            return runner.on_param(ins)
+        runner.env[out] = leaf
+        return None
+    return run
+
+
+_BUILDERS: dict[str, Callable[[Any, Any], Handler]] = {"call": _call, "input": _input,
+                                                        "param": _param}
 
 
 def prebuild(runner: Any, ins: Any) -> Handler:
