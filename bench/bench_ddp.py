@@ -6,7 +6,8 @@
 Each *run* is a fresh launch of ``--nproc`` ranks (``ssdsl.runtime.launch``) that trains
 ``--steps`` steps on the global batch ``--batch-size`` (each rank takes its contiguous share, as a
 data-parallel plan does). A step's time is the slowest rank's; a run's time is the median over the
-steps after ``--warmup``; the figure reported is the median over ``--runs`` runs. Prints JSON.
+steps after ``--warmup``; the figure reported is the median over ``--runs`` runs, which go
+round-robin over the measurements. Prints JSON.
 
 Measurements are kept in ``MEASUREMENTS`` (name -> function returning one run's per-step times), so
 the ssdsl ``dp`` measurement is added beside ``ddp`` with the same model, ranks, batch and statistics.
@@ -120,14 +121,16 @@ MEASUREMENTS: dict[str, Measurement] = {"ddp": _measure("ddp_worker"),
 
 def run_benchmark(model_path: str, *, names: list[str], nproc: int, batch_size: int, steps: int,
                   warmup: int, runs: int, seed: int = 0) -> dict:
-    """Every measurement in ``names``, ``runs`` times each; medians and the raw run figures."""
+    """Every measurement in ``names``, ``runs`` times each, round-robin (a change in the
+    machine's load hits every measurement alike); medians and the raw run figures."""
     results = {}
-    for name in names:
-        run_medians = []
-        for _ in range(runs):
+    medians: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(runs):
+        for name in names:
             step_times = MEASUREMENTS[name](model_path, nproc=nproc, batch_size=batch_size,
                                             steps=steps, seed=seed)
-            run_medians.append(statistics.median(step_times[warmup:]))
+            medians[name].append(statistics.median(step_times[warmup:]))
+    for name, run_medians in medians.items():
         median = statistics.median(run_medians)
         results[name] = {"median_step_s": median, "samples_per_s": batch_size / median,
                          "run_median_step_s": run_medians}

@@ -1,7 +1,7 @@
 """ssdsl against what a user would pick instead, side by side in one run (gloo, CPU).
 
     python bench/bench_peers.py [--nproc 2] [--rounds 3] [--steps 8] [--warmup 2]
-                                [--only eager dp tp 1f1b gpipe interleaved]
+                                [--only eager dp tp 1f1b gpipe interleaved] [--off LEVER ...]
 
 Every pair trains the same model file (a nanoGPT-style decoder: separate q/k/v projections so
 that torch's column/row-parallel styles apply, an untied LM head so that torch's pipeline stages
@@ -23,7 +23,9 @@ measurement once, fresh), so that a change in the machine's load hits both sides
 step's time is the slowest rank's; a launch's figure is the median over the steps after
 ``--warmup``; a tool's figure is the median over ``--rounds`` launches. The loss of every step is
 recorded on both sides; ``loss_agreement`` is the largest relative difference of a pair's losses.
-Prints JSON: per pair both step times and ``ratio`` = ssdsl / peer.
+Prints JSON: per pair both step times and ``ratio`` = ssdsl / peer. ``--off LEVER`` adds, in
+the same rounds, ssdsl with that runtime lever turned off (``LEVERS``): ``lever_LEVER`` is ssdsl /
+ssdsl without it (below 1: the lever helps), ``ratio_without_LEVER`` the ratio it would have.
 """
 
 from __future__ import annotations
@@ -210,13 +212,27 @@ def eager_worker(model_path: str, steps: int) -> tuple[list[float], list[float]]
     return _timed_loop(steps, mf, one_step)
 
 
-def ssdsl_worker(model_path: str, plan: str, sets: dict, steps: int
+# runtime levers that ``--off`` can turn off, each as (module, attribute, value when off)
+LEVERS = {
+    "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
+    "prebuilt": ("ssdsl.runtime.executor", "PREBUILD", False),
+    "overlap": ("ssdsl.runtime.overlap", "PART_BYTES", 0),
+}
+
+
+def ssdsl_worker(model_path: str, plan: str, sets: dict, steps: int, off: tuple[str, ...] = ()
                  ) -> tuple[list[float], list[float]]:
-    """One rank of ssdsl under ``plan``, through the public API (``ssdsl.parallelize``)."""
+    """One rank of ssdsl under ``plan``, through the public API (``ssdsl.parallelize``), with
+    the runtime levers ``off`` turned off."""
+    import importlib
+
     import ssdsl
     from ssdsl.trace.model_file import load_model_file
 
     _quiet_threads()
+    for lever in off:
+        module, attr, value = LEVERS[lever]
+        setattr(importlib.import_module(module), attr, value)
     mf = load_model_file(model_path)
     pm = ssdsl.parallelize(model_path, plan, sets=sets, optimizer="sgd", lr=LR)
     return _timed_loop(steps, mf, lambda inputs, target: pm.train_step(inputs, target))
@@ -358,6 +374,10 @@ def _pairs(args, model: str, plans: dict[str, str]) -> dict[str, dict[str, tuple
     for kind in ("1f1b", "gpipe", "interleaved"):
         pairs[kind] = {"ssdsl": ("bench_peers:ssdsl_worker", n, (model, plans[kind], {}, s)),
                        "peer": ("bench_peers:pipe_worker", n, (model, kind, args.microbatches, s))}
+    for sides in pairs.values():  # the same ssdsl launch with each lever off, beside it
+        worker, nproc, wargs = sides["ssdsl"]
+        for lever in args.off:
+            sides[f"ssdsl-no-{lever}"] = (worker, nproc, (*wargs, (lever,)))
     return {k: v for k, v in pairs.items() if k in args.only}
 
 
@@ -375,6 +395,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--only", nargs="*", default=["eager", "dp", "tp", "1f1b", "gpipe",
                                                  "interleaved"])
+    p.add_argument("--off", nargs="*", default=[], choices=sorted(LEVERS),
+                   help="also run ssdsl with each of these runtime levers off (round-robin); "
+                   "'lever' gives ssdsl / ssdsl-without-it")
     args = p.parse_args(argv)
     if args.layers % (2 * args.nproc):
         p.error("--layers must be a multiple of 2 * --nproc (interleaved uses 2 chunks a rank)")
@@ -391,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
             path.write_text(pipeline_plan(kind, args.nproc, args.layers, args.microbatches))
             plans[kind] = str(path)
         pairs = _pairs(args, str(model), plans)
-        figures = {pair: {"ssdsl": [], "peer": []} for pair in pairs}
+        figures = {pair: {side: [] for side in sides} for pair, sides in pairs.items()}
         losses: dict[str, dict[str, list[float]]] = {pair: {} for pair in pairs}
         for _ in range(args.rounds):
             for pair, sides in pairs.items():
@@ -407,6 +430,10 @@ def main(argv: list[str] | None = None) -> dict:
         results[pair] = {"ssdsl_step_s": ssdsl_s, "peer_step_s": peer_s,
                          "ratio": ssdsl_s / peer_s, "loss_agreement": agreement,
                          "rounds": sides}
+        for lever in args.off:
+            without = statistics.median(sides[f"ssdsl-no-{lever}"])
+            results[pair][f"lever_{lever}"] = ssdsl_s / without
+            results[pair][f"ratio_without_{lever}"] = without / peer_s
     report = {"config": vars(args), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
               f"torch {torch.__version__}, gloo, 1 thread per rank", "pairs": results}
     print(json.dumps(report, indent=2))

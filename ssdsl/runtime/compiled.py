@@ -60,7 +60,8 @@ class GeneratedRankProgram(RankProgram):
     def train_batch(self, batch: tuple[torch.Tensor, ...]) -> float:
         self.opt.zero_grad(set_to_none=True)
         self.begin(batch)
-        self.module.train_step(Runtime(self.runner), self.runner.env)
+        with self.whole_step():
+            self.module.train_step(Runtime(self.runner), self.runner.env)
         self.runner.env, self.runner.grads = {}, {}
         return self.runner.loss_total
 

@@ -19,6 +19,7 @@ order of every collective and message, backward included, is the program's.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -33,12 +34,19 @@ from ssdsl.lower.instr import Coll, P2P
 from ssdsl.materialize.program import Materialized
 from ssdsl.runtime.comm import (coll_on_rank, isend, local_coll, start_all_gather_into,
                                 start_reduce_scatter, wait_sends)
+from ssdsl.runtime.early import EarlyRecv, early_receives
 from ssdsl.runtime.groups import ProcessGroups, groups_of
 from ssdsl.runtime.init import init_shards
+from ssdsl.runtime.overlap import OverlapPlan, overlap_plan
+from ssdsl.runtime.prebuilt import prebuild
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
 from ssdsl.runtime.zero import ZeroShard, model_state_bytes, optimizer_params, zero_shards
 from ssdsl.trace.model_file import ModelFile, ModelFileContract
+
+
+# whether ``Runner`` runs calls and batch inputs through prebuilt closures (benchmarks compare)
+PREBUILD = True
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -166,6 +174,7 @@ class Runner(Handler):
         self._region: tuple[Any, list] | None = None
         self._replay = False
         self._frozen = False  # inside a forward-only unit
+        self._prebuilt: dict[int, tuple[Any, Any]] = {}  # id(instruction) -> (it, handler)
 
     def start(self, batch: tuple[torch.Tensor, ...]) -> None:
         """A new step on the whole batch ``(*inputs, target)``."""
@@ -194,13 +203,29 @@ class Runner(Handler):
         if self._region is not None and ins.kind != "end_recompute":
             self._region[1].append(ins)
             return None
+        handler = self._handler(ins)
         if not self._frozen:
-            return getattr(self, "on_" + ins.kind)(ins)
+            return handler(ins)
         # grad mode is per thread, and the in-process simulator runs every rank's walk in one
         # thread, switching at each wait: so it is set around each step, not for a whole unit
         with torch.no_grad():
-            waits = getattr(self, "on_" + ins.kind)(ins)
+            waits = handler(ins)
         return None if waits is None else _without_grad(waits)
+
+    def _handler(self, ins: Any) -> Any:
+        """``ins``'s handler, built once (``ssdsl.runtime.prebuilt``; a subclass that overrides
+        a handler gets its own): the program's instructions live as long as it, so their ids
+        stay theirs; the instruction is kept beside its handler to make sure."""
+        got = self._prebuilt.get(id(ins))
+        if got is not None and got[0] is ins:
+            return got[1]
+        name = "on_" + ins.kind
+        if PREBUILD and getattr(type(self), name) is getattr(Runner, name, None):
+            handler = prebuild(self, ins)
+        else:
+            handler = getattr(self, name)
+        self._prebuilt[id(ins)] = (ins, handler)
+        return handler
 
     # -- units and values -----------------------------------------------------------------------
     def on_begin(self, ins) -> None:
@@ -544,20 +569,136 @@ class DistRunner(Runner):
         self.groups = groups
         # reduce-scatters in flight: work, shard, result, input (kept alive until done)
         self.pending: list[tuple[Any, ZeroShard, torch.Tensor, torch.Tensor]] = []
+        # receives posted before the instruction that waits for them (``ssdsl.runtime.early``):
+        # what to post at the start of each unit of a whole step, and what is posted
+        self.early: tuple[tuple[EarlyRecv, ...], ...] = ()
+        self.posted: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._units = 0
+        # buckets reduced during the last backward (``ssdsl.runtime.overlap``): the plan of a
+        # whole step, the parts started (bucket -> [(positions, work, flat)]), the backwards seen
+        self.overlap: OverlapPlan | None = None
+        self.started: dict[int, list[tuple[tuple[int, ...], Any, torch.Tensor]]] = {}
+        self._backwards = 0
+        self._carrier: int | None = None  # the bucket the loss rides in, if overlapped
+        self._bucket_entries: dict[int, tuple] = {}
+        self.counts = {"posted_early": 0, "parts_overlapped": 0}  # over the run, for tests
+        self._bucket_groups: dict[int, tuple[int, ...]] = {}
+
+    def start(self, batch: tuple[torch.Tensor, ...]) -> None:
+        super().start(batch)
+        self._units = 0
+        self._backwards = 0
+        self.started = {}
+
+    # -- buckets reduced during the last backward --------------------------------------------------
+    def on_backward(self, ins) -> None:
+        with self._overlapping():
+            super().on_backward(ins)
+
+    def on_backward_weight(self, ins) -> None:
+        with self._overlapping():
+            super().on_backward_weight(ins)
+
+    @contextmanager
+    def _overlapping(self) -> Iterator[None]:
+        """Around a backward: in the program's last one, each overlapped bucket part starts
+        (in order) once autograd has accumulated all its gradients; the rest right after."""
+        plan, i = self.overlap, self._backwards
+        self._backwards += 1
+        if plan is None or i != plan.last:
+            yield
+            return
+        order = [(b, pos) for b, parts in plan.parts.items() for pos in parts]
+        entries = {b: self._bucket_entries[b] for b in plan.parts}
+        missing = [{entries[b][j] for j in pos} for b, pos in order]
+        nxt = [0]
+
+        def launch_ready() -> None:
+            while nxt[0] < len(order) and not missing[nxt[0]]:
+                self._start_part(*order[nxt[0]])
+                nxt[0] += 1
+
+        def ready(key):
+            def hook(_p: torch.Tensor) -> None:
+                for m in missing[nxt[0]:]:
+                    m.discard(key)
+                launch_ready()
+            return hook
+        keys = {e for b in plan.parts for e in entries[b]}
+        handles = [self.state.leaves[e].register_post_accumulate_grad_hook(ready(e))
+                   for e in keys]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        for m in missing:  # weights the last backward did not reach: their gradients are final
+            m.clear()
+        launch_ready()
+
+    def _start_part(self, bucket: int, pos: tuple[int, ...]) -> None:
+        entries = self._bucket_entries[bucket]
+        flat = [self._grad_of(entries[j]).reshape(-1) for j in pos]
+        parts = self.started.setdefault(bucket, [])
+        if bucket == self._carrier and len(parts) == len(self.overlap.parts[bucket]) - 1:
+            flat.append(torch.tensor([self._my_loss()], dtype=flat[0].dtype))
+        buf = torch.cat(flat)
+        group = self._bucket_groups[bucket]
+        work = dist.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
+                               async_op=True)
+        parts.append((pos, work, buf))
+        self.counts["parts_overlapped"] += 1
+
+    def on_reduce(self, ins) -> Iterator[Wait]:
+        parts = self.started.pop(ins.bucket, None)
+        if parts is None:
+            return (yield from super().on_reduce(ins))
+        for pos, work, buf in parts:
+            work.wait()
+            offset = 0
+            for j in pos:
+                g = self._grad_of(ins.entries[j])
+                n = g.numel()
+                g.copy_(buf[offset:offset + n].view_as(g))
+                offset += n
+            if offset < buf.numel():  # the loss rode in this part
+                self.loss_total = float(buf[offset].item())
+
+    def on_begin(self, ins) -> None:
+        super().on_begin(ins)
+        i, self._units = self._units, self._units + 1
+        for r in self.early[i] if i < len(self.early) else ():
+            buf = torch.empty(r.shape, dtype=_dtype(r.dtype, self.dtype), device=self.device)
+            self.posted[(r.peer, r.tag)] = (dist.irecv(buf, r.peer, tag=r.tag), buf)
+            self.counts["posted_early"] += 1
+
+    def _posted(self, w: Wait) -> torch.Tensor | None:
+        """The buffer of ``w``'s receive if it was posted early, after waiting for it."""
+        got = self.posted.pop((w.what.peer, w.what.tag), None)
+        if got is None:
+            return None
+        got[0].wait()
+        return got[1]
 
     def meet(self, w: Wait) -> Iterator[Wait]:
         if isinstance(w.what, Coll):
             w.result = coll_on_rank(w.what, self.rank, w.payload, self.groups)
         else:
-            dist.recv(w.payload, w.what.peer, tag=w.what.tag)
-            w.result = w.payload
+            w.result = self._posted(w)
+            if w.result is None:
+                dist.recv(w.payload, w.what.peer, tag=w.what.tag)
+                w.result = w.payload
         return iter(())
 
     def meet_all(self, ws: list[Wait]) -> Iterator[Wait]:
-        reqs = [dist.irecv(w.payload, w.what.peer, tag=w.what.tag) for w in ws]
+        reqs = [None if (w.what.peer, w.what.tag) in self.posted
+                else dist.irecv(w.payload, w.what.peer, tag=w.what.tag) for w in ws]
         for w, req in zip(ws, reqs):
-            req.wait()
-            w.result = w.payload
+            if req is None:
+                w.result = self._posted(w)
+            else:
+                req.wait()
+                w.result = w.payload
         return iter(())
 
     def post(self, msg, piece: torch.Tensor, ins: Any) -> None:
@@ -641,6 +782,21 @@ class RankProgram:
                                    optimizer_params(self.state.leaves, self.zero))
         self.runner = DistRunner(rank, self.state, dtype=dtype, opt=self.opt, groups=groups,
                                  zero=self.zero)
+        self._early: tuple | None = None  # early_receives(program), on the first whole step
+        self._overlap: OverlapPlan | None = None
+
+    def _overlap_plan(self) -> OverlapPlan | None:
+        """The buckets this rank reduces during its last backward (``ssdsl.runtime.overlap``),
+        with what the runner needs of them."""
+        reduces = {ins.bucket: ins for ins in self.program.instructions if ins.kind == "reduce"}
+        nbytes = {e: self.state.leaves[e].numel() * self.state.leaves[e].element_size()
+                  for ins in reduces.values() for e in ins.entries}
+        plan = overlap_plan(self.program, nbytes)
+        runner = self.runner
+        runner._bucket_entries = {b: ins.entries for b, ins in reduces.items()}
+        runner._bucket_groups = {b: ins.group for b, ins in reduces.items()}
+        runner._carrier = next((b for b, ins in reduces.items() if ins.loss), None)
+        return plan
 
     def _init_state(self, model: torch.nn.Module) -> RankState:
         """This rank's shards (swap this to initialise them otherwise)."""
@@ -728,10 +884,29 @@ class RankProgram:
         forward, backward, gradient buckets, optimizer step; returns the batch's loss."""
         self.opt.zero_grad(set_to_none=True)
         self.begin(batch)
-        for _ in walk(self.program, self.runner):
-            raise RuntimeError("a distributed runner never waits")
+        with self.whole_step():
+            for _ in walk(self.program, self.runner):
+                raise RuntimeError("a distributed runner never waits")
         self.runner.env, self.runner.grads = {}, {}
         return self.runner.loss_total
+
+    @contextmanager
+    def whole_step(self) -> Iterator[None]:
+        """Around a walk of the whole program: receives are posted a unit ahead
+        (``ssdsl.runtime.early``) and buckets reduced during the last backward
+        (``ssdsl.runtime.overlap``); a partial walk (``run_unit``) does neither."""
+        runner = self.runner
+        if self._early is None:
+            self._early = early_receives(self.program)
+            self._overlap = self._overlap_plan()
+        runner.early, runner.overlap = self._early, self._overlap
+        try:
+            yield
+        finally:
+            runner.early, runner.overlap = (), None
+        if runner.posted:  # every posted receive is waited for by its instruction
+            raise RuntimeError(f"rank {self.rank}: receives posted early and never waited for: "
+                               f"{sorted(runner.posted)}")
 
     # -- results ---------------------------------------------------------------------------------
     def _gather_weights(self) -> None:

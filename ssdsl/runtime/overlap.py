@@ -1,0 +1,85 @@
+"""Gradient buckets reduced while the backward still runs (the distributed executor only).
+
+A data-parallel program ends ``Backward ... ReduceBucket(s) ... OptimizerStep``: every bucket's
+all-reduce waits for the whole backward. ``overlap_plan`` finds the buckets that may start
+sooner: the plain all-reduce buckets (no ZeRO) that follow the program's last backward with
+nothing between them but instructions that meet no one (unit ends, frees, waiting for sends,
+each other). During that last backward no later gradient can reach their weights, so a weight's
+gradient is final once autograd has accumulated it (a post-accumulate hook says so).
+
+The executor then runs each such bucket as a few all-reduces of its parts, ``PART_BYTES`` or so
+each, taken from the bucket's end (the weights autograd reaches first), and starts each part as
+soon as its gradients are final and every part before it has started: so every member issues
+the same all-reduces on the bucket's group in the same order, the order of the program's
+buckets, whatever the timing. Nothing else meets on the way (that is what makes a bucket
+eligible), so the collectives each group sees are the program's, the bucket's one all-reduce
+carried in consecutive pieces; the bucket's instruction waits for them where the program puts
+it. A part sums the same elements as the whole bucket would.
+
+A bucket of one part is left where it stands, and so are the buckets after it: on gloo here an
+all-reduce handed to the process group's thread and waited for later cost more than one run in
+place when there is nothing to overlap it with (the tiny GPT's 5 ms step: 1.06 against 1.00,
+``bench/bench_levers.py``).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ssdsl.lower.instr import Program, ReduceBucket
+
+# about how many bytes of gradient one all-reduce of an overlapped bucket carries (DDP's first
+# bucket is 1 MiB); 0 turns the overlap off (benchmarks compare)
+PART_BYTES = 1 << 20
+
+BACKWARDS = frozenset({"backward", "backward_weight"})
+# what may stand between the last backward and an overlapped bucket: nothing that meets others
+_QUIET = frozenset({"end", "free", "wait_sends", "begin"})
+
+
+@attrs.frozen
+class OverlapPlan:
+    """``last``: the ordinal of the program's last backward among its backward instructions;
+    ``parts``: for each overlapped bucket (by number), its entries' positions in parts, in the
+    order they start."""
+
+    last: int
+    parts: dict[int, tuple[tuple[int, ...], ...]]
+
+
+def _parts(ins: ReduceBucket, sizes: list[int], part_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """Positions of the bucket's entries grouped from its end, each group about
+    ``part_bytes``."""
+    groups: list[list[int]] = []
+    size = 0
+    for i in reversed(range(len(ins.entries))):
+        if not groups or size + sizes[i] > part_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += sizes[i]
+    return tuple(tuple(g) for g in groups)
+
+
+def overlap_plan(program: Program, nbytes: dict, *, part_bytes: int | None = None
+                 ) -> OverlapPlan | None:
+    """The buckets of ``program`` to reduce during its last backward, or None (none can be).
+    ``nbytes`` gives each entry's (weight, region) gradient size in bytes."""
+    part_bytes = PART_BYTES if part_bytes is None else part_bytes
+    if part_bytes <= 0:
+        return None
+    kinds = [ins.kind for ins in program.instructions]
+    lasts = [i for i, k in enumerate(kinds) if k in BACKWARDS]
+    if not lasts:
+        return None
+    parts: dict[int, tuple[tuple[int, ...], ...]] = {}
+    for ins in program.instructions[lasts[-1] + 1:]:
+        if ins.kind in _QUIET:
+            continue
+        if ins.kind != "reduce" or ins.zero or len(ins.group) < 2:
+            break
+        split = _parts(ins, [nbytes[e] for e in ins.entries], part_bytes)
+        if len(split) < 2:  # a small bucket: its one all-reduce is quicker where it stands
+            break  # (and the buckets after it must not start before it)
+        parts[ins.bucket] = split
+    return OverlapPlan(len(lasts) - 1, parts) if parts else None

@@ -1,0 +1,121 @@
+"""The executor's speed levers change no result: receives posted a unit ahead
+(``ssdsl.runtime.early``), buckets reduced in parts during the last backward
+(``ssdsl.runtime.overlap``) and prebuilt handlers (``ssdsl.runtime.prebuilt``).
+
+The oracle is the plain model trained in this process (float64, SGD) on the same batches; the
+ranks run ``ssdsl.parallelize`` with the levers set as given, so that a bucket of the tiny GPT
+splits into many parts and every pipeline receive is posted early.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssdsl.lower.instr import Program, ReduceBucket
+from ssdsl.runtime.early import early_receives
+from ssdsl.runtime.launch import launch
+from ssdsl.runtime.overlap import overlap_plan
+from ssdsl.trace.model_file import load_model_file
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples" / "gpt.py")
+LR, STEPS = 0.05, 3
+
+
+def lever_worker(plan: str, sets: dict, levers: dict) -> tuple[list[float], dict, dict]:
+    """One rank: ``levers`` ("module:ATTR" -> value) set, then ``STEPS`` steps of ``plan``;
+    the losses, the full parameters and how often each lever acted."""
+    import importlib
+
+    import ssdsl
+
+    for where, value in levers.items():
+        module, attr = where.split(":")
+        setattr(importlib.import_module(module), attr, value)
+    mf = load_model_file(GPT)
+    pm = ssdsl.parallelize(GPT, plan, sets=sets, optimizer="sgd", lr=LR, dtype="float64",
+                           verify=False)
+    losses = [pm.train_step(*mf.get_batch(s, mf.batch_size)) for s in range(STEPS)]
+    return losses, pm.full_state_dict(), dict(pm._program.runner.counts)
+
+
+def reference() -> tuple[list[float], dict]:
+    mf = load_model_file(GPT)
+    model = mf.build(seed=0).to(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for s in range(STEPS):
+        inputs, target = mf.get_batch(s, mf.batch_size)
+        opt.zero_grad()
+        loss = mf.loss(model(*inputs), target)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def assert_matches(got: tuple, want: tuple[list[float], dict]) -> None:
+    assert got[0] == pytest.approx(want[0], rel=1e-10)
+    for name, w in want[1].items():
+        g = got[1][name].to(torch.float64)
+        assert (g - w).norm() <= 1e-10 * max(1.0, float(w.norm())), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan, nproc, sets, acts", [
+    ("dp", 2, {}, "parts_overlapped"), ("dp", 4, {}, "parts_overlapped"),
+    ("megatron_tp", 2, {}, None),  # no bucket: the replicated weights' gradients agree
+    ("dp_tp", 4, {"dp": "2", "tp": "2"}, "parts_overlapped"),
+    ("1f1b", 2, {"microbatches": "4"}, "posted_early"),
+    ("dp_tp_1f1b", 8, {"dp": "2", "tp": "2", "microbatches": "4"}, "posted_early"),
+    ("dp_zero", 2, {}, None),  # sharded buckets reduce after the backward, as before
+])
+def test_levers_on_match_the_single_device_model(plan, nproc, sets, acts):
+    # parts of 2 KiB: the tiny GPT's bucket becomes dozens of all-reduces started in backward
+    levers = {"ssdsl.runtime.overlap:PART_BYTES": 2048, "ssdsl.runtime.early:LOOKAHEAD": 2}
+    per_rank = launch(lever_worker, nproc=nproc, args=(plan, sets, levers), timeout_s=600)
+    want = reference()
+    for got in per_rank:
+        assert_matches(got, want)
+    if acts is not None:  # the lever did act (else this would test nothing)
+        assert sum(counts[acts] for _, _, counts in per_rank) >= STEPS * 2
+
+
+# -- the plans the levers make, without running (fast) ---------------------------------------
+
+
+def _bucket(entries: int) -> ReduceBucket:
+    from ssdsl.ir.region import Region
+    return ReduceBucket(0, (0, 1), tuple((f"w{i}", Region.full((4,))) for i in range(entries)))
+
+
+def test_overlap_parts_start_from_the_bucket_end_and_stop_at_a_meeting():
+    from ssdsl.lower.instr import Backward, End, LossSum, OptimizerStep
+    b = _bucket(5)
+    sizes = {e: 16 for e in b.entries}
+    prog = Program(0, 2, (Backward((), (), ()), End("0B0"), b, OptimizerStep()))
+    plan = overlap_plan(prog, sizes, part_bytes=32)
+    # entries 4,3 first (autograd reaches the model's end first), each part about 32 bytes
+    assert plan.parts == {0: ((4, 3), (2, 1), (0,))}
+    assert plan.last == 0
+    blocked = Program(0, 2, (Backward((), (), ()), LossSum((0, 1)), b, OptimizerStep()))
+    assert overlap_plan(blocked, sizes, part_bytes=32) is None  # a collective stands between
+    assert overlap_plan(prog, sizes, part_bytes=0) is None
+    assert overlap_plan(prog, sizes, part_bytes=1 << 20) is None  # one part: left in place
+
+
+def test_early_receives_skip_a_tag_used_twice():
+    from ssdsl.ir.region import Region
+    from ssdsl.lower.instr import P2P, Begin, Comm, End, Msg
+    r = Region.full((2,))
+
+    def recv(tag: int) -> Comm:
+        step = P2P((), (r,), (Msg("recv", 1, tag, 0, 0, r),))
+        return Comm(0, 0, False, (), ("x",), (), "float", (step,))
+    prog = Program(0, 2, (Begin("a"), recv(7), End("a"), Begin("b"), recv(8), recv(9), End("b"),
+                          Begin("c"), recv(9), End("c")))
+    plan = early_receives(prog, lookahead=1)
+    assert [[x.tag for x in unit] for unit in plan] == [[7, 8], [], []]
