@@ -198,7 +198,7 @@ def _measured(model: str, plan: str, steps: int) -> float:
                          capture_output=True, text=True, check=True).stdout
     data = json.loads(out[out.index("{"):])
     ranks = data.get("ranks") or data.get("result", {}).get("ranks")
-    return max(r["median_step_s"] for r in ranks)
+    return max(r["median_step_ms"] / 1e3 for r in ranks)  # docs/json.md: ranks[].median_step_ms
 
 
 def _predicted(model: str, plan: str) -> dict:
