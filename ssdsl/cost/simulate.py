@@ -19,7 +19,6 @@ backward, plus, while a backward runs, what it recomputes.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import attrs
@@ -28,6 +27,7 @@ from ssdsl.cost.work import (CostOptions, PlanCosts, StaticMemory, UnitCost, los
                              plan_costs)
 from ssdsl.materialize.program import Materialized
 from ssdsl.schedule.deps import data_deps
+from ssdsl.schedule.simulate import UnitWalk
 from ssdsl.schedule.units import Pass, Program, Schedule, StageGraph, Unit
 
 _HALF = {Pass.I: 0.5, Pass.W: 0.5}
@@ -120,7 +120,7 @@ def simulate_costs(costs: PlanCosts, schedule: Schedule, groups: tuple[tuple[int
                    opts: CostOptions) -> CostReport:
     """The step of ``schedule`` (over ranks; rank r is ``groups[r]``) under ``costs``."""
     sim = _Sim(costs, schedule, groups)
-    intervals = sim.run()
+    intervals = sim.intervals()
     makespan = max((iv.end for iv in intervals), default=0.0)
     busy = sum(iv.end - iv.start for iv in intervals)
     ranks = len(groups)
@@ -136,28 +136,29 @@ def simulate_costs(costs: PlanCosts, schedule: Schedule, groups: tuple[tuple[int
                       schedule, groups, opts)
 
 
-class _Sim:
+class _Sim(UnitWalk):
     """Mutable state of one simulation (lives only inside ``simulate_costs``)."""
 
     def __init__(self, costs: PlanCosts, schedule: Schedule, groups) -> None:
-        self.costs, self.schedule, self.groups = costs, schedule, groups
-        self.rank_of_stage = schedule.stages.devices
-        self.end: dict[Unit, float] = {}
-        self.free = [0.0] * len(groups)
-        self.pcs = [0] * len(groups)
+        super().__init__(schedule, len(groups))
+        self.costs, self.groups = costs, groups
         self.out: list[Interval] = []
-        self.waiting: dict[object, list[int]] = defaultdict(list)
-        self.arrived: dict[Unit, set[int]] = defaultdict(set)
 
     def unit_cost(self, d: int, stage: int) -> UnitCost:
         return self.costs.units.get((d, stage), UnitCost())
 
-    def duration(self, unit: Unit, rank: int) -> float:
+    def rank_duration(self, unit: Unit, rank: int) -> float:
         times = []
         for d in self.groups[rank]:
             c = self.unit_cost(d, unit.stage)
             times.append(c.forward if unit.kind is Pass.F else c.backward * _HALF.get(unit.kind, 1))
         return max(times, default=0.0)
+
+    def duration(self, unit: Unit, hosts: tuple[int, ...]) -> float:
+        return max(self.rank_duration(unit, h) for h in hosts)
+
+    def record(self, unit: Unit, r: int, start: float, end: float) -> None:
+        self.out.append(Interval(unit, r, start, end))
 
     def delay(self, dep: Unit, unit: Unit, rank: int) -> float:
         """Time ``dep``'s tensors take to reach ``unit`` (on ``rank``)."""
@@ -172,7 +173,6 @@ class _Sim:
                    default=0.0)
 
     def ready(self, unit: Unit, r: int) -> float | Unit:
-        """When ``unit`` may start on rank r, or the first unit it still waits for."""
         start = self.free[r]
         for dep in data_deps(unit, self.schedule.stages,
                              split_backward=self.schedule.split_backward):
@@ -182,40 +182,8 @@ class _Sim:
             start = max(start, done + self.delay(dep, unit, r))
         return start
 
-    def advance(self, r: int) -> list[int]:
-        # A unit of a shared stage (the interlaced pipeline's embedding and head) runs on all
-        # its ranks at once, when the last is ready: they meet in its collectives.
-        prog, woken = self.schedule.programs[r].units, []
-        g = self.schedule.stages
-        while self.pcs[r] < len(prog):
-            unit = prog[self.pcs[r]]
-            hosts = g.hosts[unit.stage] if g.shared(unit.stage) else (r,)
-            if len(hosts) > 1:
-                here = self.arrived[unit]
-                here.add(r)
-                if len(here) < len(hosts):
-                    self.waiting[(unit, "meet")].append(r)
-                    break
-            starts = [self.ready(unit, h) for h in hosts]
-            blocked = next((s for s in starts if isinstance(s, Unit)), None)
-            if blocked is not None:
-                self.waiting[blocked].append(r)
-                break
-            start = max(starts)
-            end = start + max(self.duration(unit, h) for h in hosts)
-            for h in hosts:
-                self.out.append(Interval(unit, h, start, end))
-                self.free[h] = end
-                self.pcs[h] += 1
-            self.end[unit] = end
-            woken += self.waiting.pop(unit, []) + self.waiting.pop((unit, "meet"), [])
-        return woken
-
-    def run(self) -> list[Interval]:
-        todo = list(range(len(self.groups)))
-        while todo:
-            todo += self.advance(todo.pop())
-        if any(pc != len(p) for pc, p in zip(self.pcs, self.schedule.programs)):
+    def intervals(self) -> list[Interval]:
+        if not self.run():
             raise ValueError("the schedule deadlocks; `ssdsl check` says where")
         return sorted(self.out, key=lambda iv: (iv.start, iv.rank))
 

@@ -122,59 +122,55 @@ def peak_live(program: Program, stages: StageGraph | None = None) -> int:
     return peak
 
 
-class _Sim:
-    """Mutable state of one simulation (lives only inside ``simulate``)."""
+class UnitWalk:
+    """Run every device's program in order, each unit as soon as it may start: the walk both
+    simulators share (this module's, in abstract time units, and ``ssdsl.cost.simulate``'s, in
+    seconds). Subclasses say when a unit may start on a device (``ready``), how long it takes on
+    the devices that run it (``duration``) and what to record of it (``record``).
 
-    def __init__(self, schedule: Schedule, costs: Costs) -> None:
+    A unit of a shared stage (the interlaced pipeline's embedding and head) runs on all its
+    devices at once, when the last of them is ready: they meet in its collectives."""
+
+    def __init__(self, schedule: Schedule, ranks: int) -> None:
         self.schedule = schedule
-        self.costs = costs
-        self.host = schedule.stages.devices
         self.end: dict[Unit, float] = {}
-        self.free = [0.0] * schedule.num_devices
-        self.pcs = [0] * schedule.num_devices
-        self.events: list[list[Event]] = [[] for _ in schedule.programs]
+        self.free = [0.0] * ranks
+        self.pcs = [0] * ranks
         self.waiting: dict[object, list[int]] = defaultdict(list)
         self.arrived: dict[Unit, set[int]] = defaultdict(set)
 
-    def deps(self, unit: Unit) -> tuple[Unit, ...]:
-        return data_deps(unit, self.schedule.stages, split_backward=self.schedule.split_backward)
+    def ready(self, unit: Unit, r: int) -> float | Unit:
+        """When ``unit`` may start on ``r``, or the first unit it still waits for."""
+        raise NotImplementedError
 
-    def ready_at(self, unit: Unit, device: int) -> float | Unit:
-        """When ``unit`` may start, or the first unit it still waits for."""
-        t = self.free[device]
-        for dep in self.deps(unit):
-            done = self.end.get(dep)
-            if done is None:
-                return dep
-            lat = self.costs.latency if not self.schedule.stages.runs(dep.stage, device) else 0.0
-            t = max(t, done + lat)
-        return t
+    def duration(self, unit: Unit, hosts: tuple[int, ...]) -> float:
+        raise NotImplementedError
 
-    def advance(self, d: int) -> list[int]:
-        """Run device d until it waits; return the devices its finished units wake.
+    def record(self, unit: Unit, r: int, start: float, end: float) -> None:
+        raise NotImplementedError
 
-        A unit of a shared stage runs on all its devices at once, when the last of them is
-        ready (its collectives make them meet)."""
-        prog, woken = self.schedule.programs[d].units, []
+    def advance(self, r: int) -> list[int]:
+        """Run ``r`` until it waits; return the devices its finished units wake."""
+        prog, woken = self.schedule.programs[r].units, []
         g = self.schedule.stages
-        while self.pcs[d] < len(prog):
-            unit = prog[self.pcs[d]]
-            hosts = g.hosts[unit.stage] if g.shared(unit.stage) else (d,)
+        while self.pcs[r] < len(prog):
+            unit = prog[self.pcs[r]]
+            hosts = g.hosts[unit.stage] if g.shared(unit.stage) else (r,)
             if len(hosts) > 1:
                 here = self.arrived[unit]
-                here.add(d)
+                here.add(r)
                 if len(here) < len(hosts):
-                    self.waiting[(unit, "meet")].append(d)
+                    self.waiting[(unit, "meet")].append(r)
                     break
-            starts = [self.ready_at(unit, h) for h in hosts]
-            dep = next((s for s in starts if isinstance(s, Unit)), None)
-            if dep is not None:
-                self.waiting[dep].append(d)
+            starts = [self.ready(unit, h) for h in hosts]
+            blocked = next((s for s in starts if isinstance(s, Unit)), None)
+            if blocked is not None:
+                self.waiting[blocked].append(r)
                 break
             start = max(starts)
-            end = start + self.costs.of(unit)
+            end = start + self.duration(unit, hosts)
             for h in hosts:
-                self.events[h].append(Event(unit, h, start, end))
+                self.record(unit, h, start, end)
                 self.free[h] = end
                 self.pcs[h] += 1
             self.end[unit] = end
@@ -182,10 +178,37 @@ class _Sim:
         return woken
 
     def run(self) -> bool:
-        todo = list(range(self.schedule.num_devices))
+        """Walk to the end; False when some program could not finish (a deadlock)."""
+        todo = list(range(len(self.free)))
         while todo:
             todo += self.advance(todo.pop())
         return all(pc == len(p) for pc, p in zip(self.pcs, self.schedule.programs))
+
+
+class _Sim(UnitWalk):
+    """Mutable state of one simulation (lives only inside ``simulate``)."""
+
+    def __init__(self, schedule: Schedule, costs: Costs) -> None:
+        super().__init__(schedule, schedule.num_devices)
+        self.costs = costs
+        self.events: list[list[Event]] = [[] for _ in schedule.programs]
+
+    def ready(self, unit: Unit, r: int) -> float | Unit:
+        t = self.free[r]
+        g = self.schedule.stages
+        for dep in data_deps(unit, g, split_backward=self.schedule.split_backward):
+            done = self.end.get(dep)
+            if done is None:
+                return dep
+            lat = self.costs.latency if not g.runs(dep.stage, r) else 0.0
+            t = max(t, done + lat)
+        return t
+
+    def duration(self, unit: Unit, hosts: tuple[int, ...]) -> float:
+        return self.costs.of(unit)
+
+    def record(self, unit: Unit, r: int, start: float, end: float) -> None:
+        self.events[r].append(Event(unit, r, start, end))
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
