@@ -22,6 +22,7 @@ import torch
 from ssdsl.check import (Deadlock, MissingUnit, SharedOrderMismatch, check_programs,
                          check_schedule)
 from ssdsl.cli import main
+from tests.checked_run import assert_gloo_run_matches
 from ssdsl.elaborate import elaborate_file, elaborate_text
 from ssdsl.errors import ErrorGroup, SsdslError
 from ssdsl.lower import lower_plan
@@ -132,16 +133,20 @@ def test_a_shared_unit_is_a_meeting_point_for_the_deadlock_check():
     check_schedule(Schedule.parse(g, 1, "0: 0F0 1F0\n1: 0F0 2F0"))
 
 
-def test_devices_that_order_a_shared_stage_differently_are_refused():
-    low = _lowered(2, microbatches=4)
-    s = low.schedule
+def _misordered(s):
+    """``s`` with device 1's forward of the shared stage 0 for micro-batch 2 moved to right
+    after its micro-batch 1: device 0 still runs them in the other order."""
     units, spans = list(s.programs[1].units), list(s.programs[1].spans)
     k = units.index(Unit(0, Pass.F, 2))
     u, sp = units.pop(k), spans.pop(k)
     j = units.index(Unit(0, Pass.F, 1)) + 1
     units.insert(j, u)
     spans.insert(j, sp)
-    bad = attrs.evolve(s, programs=[s.programs[0], Program(1, units, spans)])
+    return attrs.evolve(s, programs=[s.programs[0], Program(1, units, spans)])
+
+
+def test_devices_that_order_a_shared_stage_differently_are_refused():
+    bad = _misordered(_lowered(2, microbatches=4).schedule)
     with pytest.raises(SharedOrderMismatch, match="0F2 on device 1"):
         check_schedule(bad)
 
@@ -150,15 +155,7 @@ def test_the_program_checker_sees_the_shared_collectives_independently():
     """The same misordering, lowered to instructions without the schedule check: the
     embedding's all-gathers are in each device's program, and the ranks would deadlock."""
     t, low = resolve_pipeline(transform(_graph(), elaborate_file("interlaced_1f1b", world=2)))
-    s = low.schedule
-    units, spans = list(s.programs[1].units), list(s.programs[1].spans)
-    k = units.index(Unit(0, Pass.F, 2))
-    u, sp = units.pop(k), spans.pop(k)
-    j = units.index(Unit(0, Pass.F, 1)) + 1
-    units.insert(j, u)
-    spans.insert(j, sp)
-    bad = attrs.evolve(low, schedule=attrs.evolve(
-        s, programs=[s.programs[0], Program(1, units, spans)]))
+    bad = attrs.evolve(low, schedule=_misordered(low.schedule))
     good = materialize(t, dtype=torch.float32, schedule=low)
     check_programs(lower_plan(good).programs, m=good)
     m = materialize(t, dtype=torch.float32, schedule=bad)
@@ -224,13 +221,7 @@ def test_two_ranks_verified_against_the_plain_model(model):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_run_matches_the_reference(capsys, world):
-    code = main(["run", str(BIG), "interlaced_1f1b", "--nproc", str(world), "--steps", "2",
-                 "--check", "--json", "--dtype", "float64", "--optimizer", "sgd"])
-    out = json.loads(capsys.readouterr().out)
-    assert out["check"]["ok"], out["check"]
-    assert code == 0
-    worst = {w["what"]: w["error"] for w in out["check"]["worst"]}
-    assert worst["loss"] < 1e-9 and worst["param"] < 1e-9
+    assert_gloo_run_matches(capsys, BIG, "interlaced_1f1b", world)
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8)])

@@ -12,13 +12,12 @@ and the drain of the backwards), so its idle share is (p - 1)(F + B) / makespan.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from ssdsl.check import check_schedule
-from ssdsl.cli import main
+from tests.checked_run import assert_gloo_run_matches
 from ssdsl.runtime.job import JobSpec
 from ssdsl.runtime.preflight import verify_before_launch
 from ssdsl.schedule.builders import gpipe_recycle, recycle_stages, three_f_one_b
@@ -76,10 +75,4 @@ def test_the_plan_lowers_to_the_builders_order():
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_run_matches_the_reference(capsys, world):
-    code = main(["run", str(RECYCLE), "recycle_1f1b", "--nproc", str(world), "--steps", "2",
-                 "--check", "--json", "--dtype", "float64", "--optimizer", "sgd"])
-    out = json.loads(capsys.readouterr().out)
-    assert out["check"]["ok"], out["check"]
-    assert code == 0
-    worst = {w["what"]: w["error"] for w in out["check"]["worst"]}
-    assert worst["loss"] < 1e-9 and worst["param"] < 1e-9
+    assert_gloo_run_matches(capsys, RECYCLE, "recycle_1f1b", world)
