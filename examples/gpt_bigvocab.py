@@ -35,18 +35,10 @@ def build_model() -> nn.Module:
     return gpt.build_gpt(n_layer=N_LAYER, vocab=VOCAB)
 
 
+# gpt.py's words, drawn from the large vocabulary: its private copy (loaded above) makes its
+# batches from these
 WORD_LEN = gpt.WORD_LEN
-WORDS = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0),
-                       device="cpu")[:4 * WORD_LEN].reshape(4, WORD_LEN)
-
-
-def get_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences of random words (deterministic in ``step``); the target is the next token."""
-    g = torch.Generator().manual_seed(1000 + step)
-    n_words = (BLOCK_SIZE + 1 + WORD_LEN - 1) // WORD_LEN
-    choice = torch.randint(0, len(WORDS), (batch_size, n_words), generator=g)
-    data = WORDS[choice].reshape(batch_size, -1)[:, :BLOCK_SIZE + 1]
-    return data[:, :-1], data[:, 1:]
-
-
+WORDS = gpt.WORDS = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0),
+                                   device="cpu")[:4 * WORD_LEN].reshape(4, WORD_LEN)
+get_batch = gpt.get_batch
 make_optimizer = gpt.make_optimizer
