@@ -111,15 +111,22 @@ def compare(a) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{prof.name}, {a.dtype}, AdamW\n")
-    print("| model | devices | batch | plan | step (s) | bubble | comm (s) | peak memory (GB) |")
-    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    _table(rows, {"model": "model", "world": "devices", "batch": "batch", "plan": "plan"})
+
+
+def _table(rows: list[dict], head: dict[str, str]) -> None:
+    """Markdown: the ``head`` columns (row key: column title), then the estimate's."""
+    print("| " + " | ".join([*head.values(), "step (s)", "bubble", "comm (s)",
+                             "peak memory (GB)"]) + " |")
+    print("| " + " | ".join(["---:" if k in ("world", "batch") else "---" for k in head]
+                            + ["---:"] * 4) + " |")
     for r in rows:
-        head = f"| {r['model']} | {r['world']} | {r['batch']} | {r['plan']} |"
+        cells = " | ".join(str(r[k]) for k in head)
         if "error" in r:
-            print(f"{head} refused: {r['error']} | | | |")
+            print(f"| {cells} | refused: {r['error']} | | | |")
             continue
         fit = "" if r["fits"] else " (over)"
-        print(f"{head} {r['step_s']:.3g} | {r['bubble']:.0%} | {r['comm_s']:.3g} | "
+        print(f"| {cells} | {r['step_s']:.3g} | {r['bubble']:.0%} | {r['comm_s']:.3g} | "
               f"{r['peak_GB']:.3g}{fit} |")
 
 
@@ -169,15 +176,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n{a.world} x {prof.name}, {a.dtype}, AdamW\n")
-    print("| model | plan | step (s) | bubble | comm (s) | peak memory (GB) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['model']} | {r['plan']} | refused: {r['error']} | | | |")
-            continue
-        fit = "" if r["fits"] else " (over)"
-        print(f"| {r['model']} | {r['plan']} | {r['step_s']:.3g} | {r['bubble']:.0%} | "
-              f"{r['comm_s']:.3g} | {r['peak_GB']:.3g}{fit} |")
+    _table(rows, {"model": "model", "plan": "plan"})
 
 
 if __name__ == "__main__":
