@@ -3,11 +3,15 @@
     python bench/bench_cost.py measure      # writes ssdsl/cost/cpu.json (the `cpu` profile)
     python bench/bench_cost.py calibrate    # predicted vs measured gloo step times, 2 ranks
 
-``measure`` times, in one process with the threads a rank gets under ``ssdsl run --nproc 2``:
-float32/float64 matmul FLOP/s, memory bandwidth (a large copy), the fixed cost of a small
-operator (forward with autograd recording, and its backward), and with 2 gloo processes the
-latency and bandwidth of all-reduce and send/recv, fitted together to the alpha-beta model
-(all-reduce of n bytes over 2 ranks: 2 alpha + n / beta; a message: alpha + n / beta).
+``measure`` times, on 2 gloo processes at once (a step runs its ranks together on the machine's
+cores), each with the threads a rank gets under ``ssdsl run --nproc 2``: float32/float64 matmul
+FLOP/s, memory bandwidth (a large copy), the fixed cost of a small operator (eager, and the ssdsl
+executor's own), and the latency and bandwidth of all-reduce and send/recv, fitted together to
+the alpha-beta model (all-reduce of n bytes over 2 ranks: 2 alpha + n / beta; a message:
+alpha + n / beta). The collectives are timed as a step meets them, each call after a compute
+gap on both ranks (what the loop with the call takes beyond the loop without it); back to back,
+as most collective benchmarks time them, gloo's latency is several times lower, and both fits
+are printed. Per quantity the profile keeps the slowest rank's figure.
 ``calibrate`` runs ``ssdsl run --json --nproc 2`` for each model and plan and compares the median
 step time (of each run's steps after the first, median over repeats, slowest rank) with
 ``ssdsl cost --device cpu`` (the profile is measured again right before each case, as the load of a shared machine
@@ -118,72 +122,138 @@ def executor_overhead(repeats: int) -> float:
     return slope / 2
 
 
-def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, out: str) -> None:
+def _gap(k: int) -> None:
+    """A compute gap between two calls: ``k`` small products, as a step's operators run."""
+    a = _GAP_A
+    for _ in range(k):
+        torch.mm(a, a)
+
+
+_GAP_A = torch.randn(64, 64)
+GAPS = (4, 16, 64)  # about 15, 60 and 250 us of compute between two calls
+COMM_SIZES = [4, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+
+
+def _comm_once(kind: str, buf: torch.Tensor, rank: int) -> None:
+    import torch.distributed as dist
+    if kind == "all_reduce":
+        dist.all_reduce(buf)
+    elif rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    else:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
+def _comm_rows(rank: int, repeats: int, *, in_step: bool) -> list[tuple[str, int, float]]:
+    """(kind, bytes, seconds per call). Back to back (``in_step`` false), or each call after a
+    compute gap on both ranks, as inside a step: there a call costs what the loop with it takes
+    beyond the same loop without it (a rank that computed has to be woken; its peer waits)."""
+    import torch.distributed as dist
+    rows = []
+    for n in COMM_SIZES:
+        buf = torch.zeros(max(1, n // 4))
+        for kind in ("all_reduce", "p2p"):
+            per_call = 2 if kind == "p2p" else 1
+            if not in_step:
+                dist.barrier()
+                t = _median_time(lambda: _comm_once(kind, buf, rank), repeats=repeats)
+                rows.append((kind, buf.numel() * 4, t / per_call))
+                continue
+            inner = 8 if n <= (256 << 10) else 2
+            deltas = []
+            for k in GAPS:
+                dist.barrier()
+                plain = _median_time(lambda: _gap(k), repeats=repeats, inner=inner)
+                dist.barrier()
+                both = _median_time(lambda: (_gap(k), _comm_once(kind, buf, rank)),
+                                    repeats=repeats, inner=inner)
+                deltas.append(max(both - plain, 1e-7))
+            rows.append((kind, buf.numel() * 4, statistics.median(deltas) / per_call))
+    return rows
+
+
+def _profile_worker(rank: int, port: int, repeats: int, out: str) -> None:
+    """Every micro-benchmark, on ``RANKS`` processes at once: a step runs its ranks together on
+    the machine's cores, so the rates are measured with the other rank busy beside this one."""
     import torch.distributed as dist
     torch.set_num_threads(_threads())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=RANKS)
-    rows = []
-    for n in sizes:
-        buf = torch.zeros(max(1, n // 4))
-        for kind in ("all_reduce", "p2p"):
-            def once() -> None:
-                if kind == "all_reduce":
-                    dist.all_reduce(buf)
-                elif rank == 0:
-                    dist.send(buf, 1)
-                    dist.recv(buf, 1)
-                else:
-                    dist.recv(buf, 0)
-                    dist.send(buf, 0)
-            dist.barrier()
-            t = _median_time(once, repeats=repeats)
-            rows.append((kind, buf.numel() * 4, t / (2 if kind == "p2p" else 1)))
-    if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+    res: dict[str, object] = {}
+
+    def together(name: str, fn) -> None:
+        dist.barrier()
+        res[name] = fn()
+
+    together("f32", lambda: max(matmul_rate(torch.float32, n, repeats) for n in (256, 512, 1024)))
+    together("f64", lambda: max(matmul_rate(torch.float64, n, repeats) for n in (256, 512)))
+    together("bw", lambda: copy_bandwidth(64, repeats))
+    together("op", lambda: op_overheads(repeats))
+    together("executor", lambda: executor_overhead(repeats))
+    together("idle", lambda: _comm_rows(rank, repeats, in_step=False))
+    together("in_step", lambda: _comm_rows(rank, repeats, in_step=True))
+    Path(f"{out}.{rank}").write_text(json.dumps(res))
     dist.destroy_process_group()
 
 
-def comm_fit(repeats: int) -> dict[str, float]:
-    """Alpha-beta of gloo between 2 local processes, fitted to all-reduce and send/recv."""
+def _alpha_beta(rows: list) -> tuple[float, float]:
+    """Alpha-beta fitted to (kind, bytes, seconds) rows: an all-reduce over 2 ranks costs
+    2 alpha + n / beta, a message alpha + n / beta; relative least squares, so that each size
+    weighs alike (latency and bandwidth both matter)."""
     import numpy as np
-    import torch.multiprocessing as mp
-    sizes = [4, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        port = 29500 + os.getpid() % 1000
-        mp.spawn(_comm_worker, args=(port, sizes, repeats, f.name), nprocs=RANKS)
-        rows = json.loads(Path(f.name).read_text())
     a = np.array([[2.0 if k == "all_reduce" else 1.0, n] for k, n, _ in rows])
     t = np.array([s for _, _, s in rows])
-    # relative least squares: each size weighs alike (latency and bandwidth both matter)
     (alpha, inv_beta), *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
-    return {"alpha": float(max(alpha, 1e-6)), "beta": float(1 / max(inv_beta, 1e-12)),
-            "rows": rows}
+    return float(max(alpha, 1e-6)), float(1 / max(inv_beta, 1e-12))
+
+
+def measure_all(repeats: int) -> dict:
+    """Run ``_profile_worker`` on ``RANKS`` gloo processes; per quantity the slowest rank's
+    figure (a step lasts as long as its slowest rank)."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "profile")
+        port = 29500 + os.getpid() % 1000
+        mp.spawn(_profile_worker, args=(port, repeats, out), nprocs=RANKS)
+        per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(RANKS)]
+    slowest = {k: min(r[k] for r in per_rank) for k in ("f32", "f64", "bw")}
+    slowest["op"] = [max(r["op"][i] for r in per_rank) for i in range(2)]
+    slowest["executor"] = max(r["executor"] for r in per_rank)
+    for k in ("idle", "in_step"):  # rank 0 times the whole exchange, as the others do
+        slowest[k] = [tuple(row) for row in per_rank[0][k]]
+    return slowest
 
 
 def measure(args: argparse.Namespace) -> None:
-    torch.set_num_threads(_threads())
     r = args.repeats
-    f32 = max(matmul_rate(torch.float32, n, r) for n in (256, 512, 1024))
-    f64 = max(matmul_rate(torch.float64, n, r) for n in (256, 512))
-    bw = copy_bandwidth(64, r)
-    op, view = op_overheads(r)
+    m = measure_all(r)
+    op, view = m["op"]
     # the executor's own per-operator work (interpreting the part, adapters, autograd
     # functions) comes on top of eager dispatch, for views as for other operators
     eager = op
-    per_op = max(op, executor_overhead(r))
+    per_op = max(op, m["executor"])
     op, view = per_op, view + per_op - op
-    comm = comm_fit(r)
-    prof = {"name": "cpu", "peak": {"float32": f32, "float64": f64}, "memory": 16e9,
-            "memory_bw": bw, "intra_bw": comm["beta"], "intra_latency": comm["alpha"],
-            "inter_bw": comm["beta"], "inter_latency": comm["alpha"], "per_node": 1024,
+    idle_alpha, idle_beta = _alpha_beta(m["idle"])
+    alpha, beta = _alpha_beta(m["in_step"])
+    prof = {"name": "cpu", "peak": {"float32": m["f32"], "float64": m["f64"]}, "memory": 16e9,
+            "memory_bw": m["bw"], "intra_bw": beta, "intra_latency": alpha,
+            "inter_bw": beta, "inter_latency": alpha, "per_node": 1024,
             "compute_efficiency": 1.0, "memory_efficiency": 1.0, "op_overhead": op,
             "view_overhead": view, "param_overhead": eager, "flash_attention": False,
-            "source": f"measured by bench/bench_cost.py on this machine ({_threads()} threads "
-                      f"per rank, gloo, {time.strftime('%Y-%m-%d')}, medians of {r})"}
+            "source": f"measured by bench/bench_cost.py on this machine ({RANKS} ranks at once, "
+                      f"{_threads()} threads per rank, gloo, collectives between computing "
+                      f"ranks, {time.strftime('%Y-%m-%d')}, {STAT}s of {r})"}
     PROFILE.write_text(json.dumps(prof, indent=1) + "\n")
     if not getattr(args, "quiet", False):
-        print(json.dumps({**prof, "comm_samples": comm["rows"]}, indent=1))
+        print(json.dumps(prof, indent=1))
+        print(f"collectives back to back: alpha {idle_alpha * 1e6:.1f} us, beta "
+              f"{idle_beta / 1e9:.2f} GB/s; between computing ranks (the profile's): alpha "
+              f"{alpha * 1e6:.1f} us, beta {beta / 1e9:.2f} GB/s")
+        for (kind, n, idle), (_, _, in_step) in zip(m["idle"], m["in_step"]):
+            print(f"  {kind:10} {n:>9} B  back to back {idle * 1e6:9.1f} us  "
+                  f"in a step {in_step * 1e6:9.1f} us")
         print(f"wrote {PROFILE}")
 
 
