@@ -241,7 +241,9 @@ def measure(args: argparse.Namespace) -> None:
             "memory_bw": m["bw"], "intra_bw": beta, "intra_latency": alpha,
             "inter_bw": beta, "inter_latency": alpha, "per_node": 1024,
             "compute_efficiency": 1.0, "memory_efficiency": 1.0, "op_overhead": op,
-            "view_overhead": view, "param_overhead": eager, "flash_attention": False,
+            "view_overhead": view, "param_overhead": eager,
+            # torch's CPU attention is fused (_scaled_dot_product_flash_attention_for_cpu)
+            "flash_attention": True,
             "source": f"measured by bench/bench_cost.py on this machine ({RANKS} ranks at once, "
                       f"{_threads()} threads per rank, gloo, collectives between computing "
                       f"ranks, {time.strftime('%Y-%m-%d')}, {STAT}s of {r})"}

@@ -106,9 +106,14 @@ def conv_work(c: OpContext) -> Work:
 
 @cost_rule("scaled_dot_product_attention")
 def sdpa_work(c: OpContext) -> Work:
-    s = dict(c.sizes)
-    L, S, E, Ev = s.pop("L"), s.pop("S"), s.pop("E"), s.pop("Ev")
-    batch = math.prod(v for k, v in s.items() if not k.startswith("m"))
+    # a label may be split into pieces (``E.0``, ``E.1``: the trace factored the dim, as a
+    # rotary embedding's halves do); each of the four is the product of its pieces
+    dims: dict[str, int] = {}
+    for label, size in c.sizes.items():
+        root = label.split(".")[0]
+        dims[root] = dims.get(root, 1) * size
+    L, S, E, Ev = (dims.pop(k, 1) for k in ("L", "S", "E", "Ev"))
+    batch = math.prod(v for k, v in dims.items() if not k.startswith("m"))
     scores = batch * L * S
     causal = bool(c.op.kwargs_dict.get("is_causal", c.op.args[5] if len(c.op.args) > 5
                                        else False))
@@ -155,7 +160,7 @@ def work_of(graph: Graph, op: Op, ann: Annotation | None, part: Part, *, itemsiz
     ins = tuple(_bytes(graph, t, r, itemsize) if r is not None else 0.0
                 for t, r in zip(op.inputs, part.sub.inputs))
     outs = tuple(_bytes(graph, t, r, itemsize) for t, r in zip(op.outputs, part.sub.outputs))
-    numel = float(sum(_numel(r) for r in part.sub.outputs))
+    numel = float(sum(region_numel(r) for r in part.sub.outputs))
     ctx = OpContext(op, ann, sizes, ins, outs, numel, itemsize, flash)
     rule = _RULES.get(name)
     if rule is None or (ann is None and rule is not loss_work):
@@ -163,7 +168,8 @@ def work_of(graph: Graph, op: Op, ann: Annotation | None, part: Part, *, itemsiz
     return rule(ctx)
 
 
-def _numel(region) -> int:
+def region_numel(region) -> int:
+    """Elements of a region (a product over its dims of the lengths of their pieces)."""
     return math.prod(sum(b - a for a, b in dim) for dim in region)
 
 
@@ -182,4 +188,63 @@ def item_bytes(graph: Graph, tensor: str, float_itemsize: int) -> int:
 
 
 def _bytes(graph: Graph, tensor: str, region, itemsize: int) -> float:
-    return float(_numel(region) * item_bytes(graph, tensor, itemsize))
+    return float(region_numel(region) * item_bytes(graph, tensor, itemsize))
+
+
+# ---------------------------------------------------------------- what a backward keeps
+
+# Which tensors autograd keeps from an operator's forward for its backward (PyTorch's derivative
+# formulas): a sum, a copy or a concatenation keeps none; an activation function keeps its
+# input (or its output, where the derivative is written in the output); a product keeps each
+# operand that another operand's gradient needs. Operators not named here keep every float
+# input, an upper bound.
+KEEPS_NOTHING = frozenset({
+    "add", "sub", "neg", "sum", "mean", "cat", "stack", "roll", "clone", "contiguous", "to",
+    "_to_copy", "type_as", "repeat", "pad", "constant_pad_nd", "flip", "cumsum", "zeros_like",
+    "ones_like", "new_ones", "new_zeros", "arange", "full", "zeros", "ones", "fill",
+    "masked_fill", "where", "index", "gather", "embedding", "cross_entropy_loss", "nll_loss",
+    "dropout", "native_dropout", "tril", "triu", "diff",  # (a dropout's mask: ``mask_bytes``)
+})
+KEEPS_OUTPUT = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh", "sigmoid",
+                          "exp", "rsqrt", "sqrt", "relu", "scaled_dot_product_attention"})
+KEEPS_FIRST = frozenset({"gelu", "silu", "pow", "layer_norm", "rms_norm", "group_norm",
+                         "batch_norm", "sin", "cos", "log", "abs", "erf", "reciprocal",
+                         "hardswish", "mish", "elu", "leaky_relu", "softplus", "max_pool2d",
+                         "avg_pool2d", "adaptive_avg_pool2d"})
+PRODUCTS = frozenset({"linear", "matmul", "mm", "bmm", "mul", "einsum", "conv1d", "conv2d",
+                      "conv3d", "convolution", "div"})
+
+
+def kept_slots(op: Op, needs_grad) -> tuple[tuple[int, ...], bool]:
+    """(input slots whose tensors autograd keeps for ``op``'s backward, whether it keeps the
+    outputs); ``needs_grad(tensor)`` says whether a tensor's gradient is computed."""
+    name = aten_name(op.target)
+    n = len(op.inputs)
+    if name in KEEPS_NOTHING:
+        return (), False
+    if name == "scaled_dot_product_attention":  # q, k, v and the output (and its row maxima)
+        return tuple(range(min(3, n))), True
+    if name in KEEPS_OUTPUT:
+        return (), True
+    if name in KEEPS_FIRST:
+        return ((0,) if n else ()), False
+    if name in ("addmm", "baddbmm"):  # the bias (slot 0) is added: kept is what multiplies
+        return tuple(i for i in (1, 2) if i < n and needs_grad(op.inputs[3 - i])), False
+    if name in PRODUCTS:
+        if name == "div":  # a / b: b for a's gradient; a and b for b's
+            kept = {1} | ({0} if n > 1 and needs_grad(op.inputs[1]) else set())
+            return tuple(sorted(i for i in kept if i < n)), False
+        # each operand that another operand's gradient needs (the bias of a linear: none)
+        operands = range(min(n, 2))
+        return tuple(i for i in operands
+                     if any(needs_grad(op.inputs[j]) for j in operands if j != i)), False
+    return tuple(range(n)), False
+
+
+def mask_bytes(op: Op, out_numel: float) -> float:
+    """Bytes of the mask a training dropout keeps (one byte an element; none at p = 0)."""
+    if aten_name(op.target) not in ("dropout", "native_dropout"):
+        return 0.0
+    prob = op.args[1] if len(op.args) > 1 else op.kwargs_dict.get("p", 0.5)
+    train = op.args[2] if len(op.args) > 2 else op.kwargs_dict.get("train", True)
+    return out_numel if isinstance(prob, (int, float)) and prob > 0 and train else 0.0

@@ -145,10 +145,12 @@ H100 = DeviceProfile(
     source="NVIDIA H100 datasheet (SXM5 80 GB), NVLink 4.0, 8 x InfiniBand NDR 400 Gb/s per node")
 
 # Used only when bench/bench_cost.py has not measured this machine: a small CPU core pair.
+# PyTorch's CPU attention is a fused kernel (``_scaled_dot_product_flash_attention_for_cpu``):
+# it keeps no score matrix and skips the masked blocks of a causal mask.
 CPU_DEFAULT = DeviceProfile(
     name="cpu", peak={"float32": 50e9, "float64": 25e9}, memory=16 * GB, memory_bw=5 * GB,
     intra_bw=1 * GB, intra_latency=100e-6, inter_bw=0.1 * GB, inter_latency=200e-6,
-    per_node=1024, op_overhead=20e-6, view_overhead=5e-6, flash_attention=False,
+    per_node=1024, op_overhead=20e-6, view_overhead=5e-6, flash_attention=True,
     source="default (not measured: run bench/bench_cost.py)")
 
 GPUS = {p.name: p for p in (V100, A100, H100)}

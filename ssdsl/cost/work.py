@@ -21,7 +21,8 @@ import attrs
 
 from ssdsl.cost.collectives import (Link, all_gather_time, all_reduce_time, collective_time,
                                     link_for, p2p_time, reduce_scatter_time)
-from ssdsl.cost.ops import VIEW_KINDS, Work, aten_name, item_bytes, work_of
+from ssdsl.cost.ops import (VIEW_KINDS, Work, aten_name, item_bytes, kept_slots, mask_bytes,
+                            region_numel, work_of)
 from ssdsl.cost.profiles import Cluster, DeviceProfile
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
@@ -230,15 +231,22 @@ def _region_bytes(g, tensor: str, region, itemsize: int) -> float:
 
 
 def _keep(into: dict[str, float], g, op, part, base, opts: CostOptions, grads, w: Work) -> None:
-    """The activations a part keeps for its backward: its float inputs that are not
-    parameters (once per storage), plus what the rule says it saves beyond them."""
-    for x, r in zip(op.inputs, part.sub.inputs):
+    """The activations a part keeps for its backward: the float tensors autograd saves for it
+    (``ssdsl.cost.ops.kept_slots``; parameters left out; once per storage), plus what the rule
+    says it saves beyond them (an unfused attention's scores, a cross-entropy's log-probabilities,
+    a dropout's mask)."""
+    slots, outputs = kept_slots(op, lambda x: x in grads or x in g.params)
+    kept = [(op.inputs[i], part.sub.inputs[i]) for i in slots]
+    if outputs:
+        kept += list(zip(op.outputs, part.sub.outputs))
+    for x, r in kept:
         if r is None or x in g.params or not _is_float(g, x):
             continue
         key = base.get(x, x)
         into[key] = max(into.get(key, 0.0), _region_bytes(g, x, r, opts.itemsize))
-    if w.saved:
-        into[f"{op.name}#saved"] = into.get(f"{op.name}#saved", 0.0) + w.saved
+    extra = w.saved + mask_bytes(op, float(sum(region_numel(r) for r in part.sub.outputs)))
+    if extra:
+        into[f"{op.name}#saved"] = into.get(f"{op.name}#saved", 0.0) + extra
 
 
 # ------------------------------------------------------------------------------ communication
