@@ -118,20 +118,39 @@ def _is_float(g, tensor: str) -> bool:
     return "float" in g.tensors[tensor].dtype or "complex" in g.tensors[tensor].dtype
 
 
-def recomputed_ops(m: Materialized) -> frozenset[str]:
-    """Operators under ``recompute`` statements, except those next to communication (the
-    runtime leaves them out: recomputing a receive would receive twice)."""
-    t = m.transformed
-    chosen = set(t.recompute)  # resolved (stages too) and checked by the schedule phase
-    if not chosen:
-        return frozenset()
-    producer = {x: op.name for op in t.graph.ops for x in op.outputs}
-    for (tensor, op, _slot), edge in m.edges.items():
-        if edge.adapter.nbytes or (edge.adapter.backward is not None
-                                    and edge.adapter.backward.nbytes):
-            chosen.discard(op)
-            chosen.discard(producer.get(tensor, ""))
-    return frozenset(chosen)
+def recomputed_regions(m: Materialized) -> dict[tuple[int, str, tuple[int, ...]], tuple]:
+    """``(device, operator, part index) -> region`` for every part the runtime recomputes, read
+    from the lowered programs (``RecomputeBegin`` .. ``RecomputeEnd`` around calls; the first
+    forward of each stage on each rank: every micro-batch's forward runs the same regions). What
+    the cost model recomputes is then what runs: a communication point ends a region there, and
+    co-shard's parts run part by part, each part of a stretch its own region."""
+    if not m.transformed.recompute:
+        return {}
+    from ssdsl.lower import lower_rank  # the lowering imports the cost model's neighbours
+    regions: dict[tuple[int, str, tuple[int, ...]], tuple] = {}
+    for rank in range(m.transformed.world):
+        stages_seen: set[str] = set()
+        current = None
+        region = None
+        number = 0
+        for ins in lower_rank(m, rank).instructions:
+            kind = ins.kind
+            if kind == "begin":
+                stage, _, _ = ins.unit.partition("F")
+                current = ins.unit if "F" in ins.unit and stage not in stages_seen else None
+                if current is not None:
+                    stages_seen.add(stage)
+                region = None
+            elif current is None:
+                continue
+            elif kind == "recompute":
+                number += 1
+                region = (rank, number)
+            elif kind == "end_recompute":
+                region = None
+            elif kind == "call" and region is not None:
+                regions[(rank, ins.op, tuple(ins.part))] = region
+    return regions
 
 
 def _part_time(w: Work, opts: CostOptions, *, backward: bool) -> float:
@@ -149,28 +168,28 @@ def _compute(m: Materialized, opts: CostOptions, units) -> None:
     # Backward runs through an operator only when an output's gradient reaches the loss: a
     # recycling pass before a .detach() (a forward-only stage) keeps nothing and has no backward.
     grads = loss_grad_tensors(g)
-    recompute = recomputed_ops(m)
+    regions = recomputed_regions(m)
     producer = {x: op for op in g.ops for x in op.outputs}
     base = _view_bases(g)
-    saved: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
-    # What a recomputed region re-creates, per region: (device, stage, run, part chunk). The
-    # runtime recomputes each run of selected operators between two others (a communication
-    # point among them) as one region, and co-shard's stretches part by part, so a backward
+    saved: dict[tuple[int, int], dict[str, tuple[float, int]]] = defaultdict(dict)
+    # What a recomputed region re-creates, per region of the lowered programs; a backward
     # re-creates one region at a time: its peak is the largest region's, not their sum.
-    re_saved: dict[tuple[int, int, int, int], dict[str, float]] = defaultdict(dict)
-    run: dict[tuple[int, int], int] = defaultdict(int)
-    for op in g.ops:
+    re_saved: dict[tuple, dict[str, tuple[float, int]]] = defaultdict(dict)
+    region_ops: dict[tuple, set[str]] = defaultdict(set)
+    where: dict[tuple, tuple[int, int]] = {}  # region -> (device, stage)
+    for (device, name, _index), region in regions.items():
+        region_ops[region].add(name)
+        where[region] = (device, t.stage(name))
+    # for the backward's walk: the forward position of each region's last operator
+    last_op: dict[tuple, int] = {}
+    for index, op in enumerate(g.ops):
         ann = t.annotations[op.name]
         ann = ann if isinstance(ann, Annotation) else None
         needs_bwd = any(x in grads for x in op.outputs)
         stage = t.stage(op.name)
-        chunk: dict[int, int] = defaultdict(int)
         is_view = aten_name(op.target) in VIEW_KINDS
         for part in t.parts[op.name]:
-            if op.name not in recompute and not is_view:
-                run[(part.device, stage)] += 1  # an operator outside ends the region
-            region = (part.device, stage, run[(part.device, stage)], chunk[part.device])
-            chunk[part.device] += 1
+            region = regions.get((part.device, op.name, tuple(part.index)))
             w = work_of(g, op, ann, part, itemsize=opts.itemsize,
                         flash=opts.profile.flash_attention)
             if w.matmul:
@@ -182,26 +201,35 @@ def _compute(m: Materialized, opts: CostOptions, units) -> None:
             if needs_bwd:
                 u["bwd_compute"] += _part_time(w, opts, backward=True)
                 u["flops"] += w.bwd_flops
-            if op.name in recompute:
+            if region is not None:
                 u["recompute"] += fwd
                 u["flops"] += w.flops
             if needs_bwd and not is_view:
-                _keep(re_saved[region] if op.name in recompute else saved[(part.device, stage)],
-                      g, op, part, base, opts, grads, w)
-                if op.name in recompute:  # a segment's inputs from outside it stay alive
+                _keep(re_saved[region] if region is not None else saved[(part.device, stage)],
+                      g, op, part, base, opts, grads, w, index)
+                if region is not None:
+                    last_op[region] = index
+                    # the region's inputs from outside it stay alive
                     for x, r in zip(op.inputs, part.sub.inputs):
                         src = producer.get(base.get(x, x))
-                        if r is not None and src is not None and src.name not in recompute \
-                                and _is_float(g, x):
-                            key = base.get(x, x)
+                        if r is not None and src is not None \
+                                and src.name not in region_ops[region] and _is_float(g, x):
                             size = _region_bytes(g, x, r, opts.itemsize)
-                            d = saved[(part.device, stage)]
-                            d[key] = max(d.get(key, 0.0), size)
+                            _hold(saved[(part.device, stage)], base.get(x, x), size, index)
     for key, kept in saved.items():
-        units[key]["activations"] += sum(kept.values())
-    for (device, stage, _run, _chunk), kept in re_saved.items():
+        units[key]["activations"] += sum(size for size, _ in kept.values())
+    # A backward walks the operators in reverse: when it re-creates a region, what operators
+    # after the region kept is already freed (their backward has run), what the region's and
+    # earlier operators kept is still alive. A storage lives until the backward of the first
+    # operator that keeps it. The unit's extra peak is the worst region's excess over all the
+    # forward's activations.
+    for region, kept in re_saved.items():
+        device, stage = where[region]
         u = units[(device, stage)]
-        u["recompute_peak"] = max(u["recompute_peak"], sum(kept.values()))
+        end = last_op[region]
+        alive = sum(size for size, first in saved[(device, stage)].values() if first <= end)
+        extra = alive + sum(size for size, _ in kept.values()) - u["activations"]
+        u["recompute_peak"] = max(u["recompute_peak"], extra)
 
 
 def _matmul_grad_share(w: Work, op, grads: set[str]) -> Work:
@@ -230,7 +258,15 @@ def _region_bytes(g, tensor: str, region, itemsize: int) -> float:
     return float(n * item_bytes(g, tensor, itemsize))
 
 
-def _keep(into: dict[str, float], g, op, part, base, opts: CostOptions, grads, w: Work) -> None:
+def _hold(into: dict[str, tuple[float, int]], key: str, size: float, index: int) -> None:
+    """Keep ``size`` bytes of storage ``key`` (the largest region of it any operator keeps),
+    first kept by the operator at forward position ``index``."""
+    had = into.get(key)
+    into[key] = (size, index) if had is None else (max(had[0], size), min(had[1], index))
+
+
+def _keep(into: dict[str, tuple[float, int]], g, op, part, base, opts: CostOptions, grads,
+          w: Work, index: int) -> None:
     """The activations a part keeps for its backward: the float tensors autograd saves for it
     (``ssdsl.cost.ops.kept_slots``; parameters left out; once per storage), plus what the rule
     says it saves beyond them (an unfused attention's scores, a cross-entropy's log-probabilities,
@@ -242,11 +278,11 @@ def _keep(into: dict[str, float], g, op, part, base, opts: CostOptions, grads, w
     for x, r in kept:
         if r is None or x in g.params or not _is_float(g, x):
             continue
-        key = base.get(x, x)
-        into[key] = max(into.get(key, 0.0), _region_bytes(g, x, r, opts.itemsize))
+        _hold(into, base.get(x, x), _region_bytes(g, x, r, opts.itemsize), index)
     extra = w.saved + mask_bytes(op, float(sum(region_numel(r) for r in part.sub.outputs)))
     if extra:
-        into[f"{op.name}#saved"] = into.get(f"{op.name}#saved", 0.0) + extra
+        had = into.get(f"{op.name}#saved", (0.0, index))
+        into[f"{op.name}#saved"] = (had[0] + extra, had[1])
 
 
 # ------------------------------------------------------------------------------ communication
