@@ -286,6 +286,7 @@ MEASURED = ROOT / "bench" / ("cost_measured.json" if STAT == "median" else f"cos
 
 def calibrate(args: argparse.Namespace) -> None:
     rows = []
+    measured_once = False
     saved = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
     for model, plan in CASES:
         if args.only and args.only not in f"{model}:{plan}":
@@ -295,9 +296,11 @@ def calibrate(args: argparse.Namespace) -> None:
             runs = saved[key]["runs"]
             PROFILE.write_text(json.dumps(saved[key]["profile"], indent=1) + "\n")
         else:
-            # the load of this shared machine changes several-fold within minutes: the profile
-            # is measured again right before each case's runs
-            measure(argparse.Namespace(repeats=args.profile_repeats, quiet=True))
+            # the load of a shared machine changes several-fold within minutes: the profile is
+            # measured again right before each case's runs (``--profile once``: a quiet machine)
+            if args.profile == "each" or not measured_once:
+                measure(argparse.Namespace(repeats=args.profile_repeats, quiet=True))
+                measured_once = True
             runs = [_measured(model, plan, args.steps) for _ in range(args.repeats)]
             saved[key] = {"runs": runs, "profile": json.loads(PROFILE.read_text())}
             MEASURED.write_text(json.dumps(saved, indent=1) + "\n")
@@ -325,6 +328,8 @@ def main() -> None:
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--steps", type=int, default=12)
     c.add_argument("--profile-repeats", type=int, default=7)
+    c.add_argument("--profile", choices=("each", "once"), default="each",
+                   help="measure the profile before each case (a loaded machine) or once")
     c.add_argument("--reuse", action="store_true",
                    help=f"predict again against the runs saved in {MEASURED.name}")
     c.add_argument("--only", default=None, help="run only cases whose 'model:plan' contains it")
