@@ -38,7 +38,7 @@ from ssdsl.materialize.program import Materialized
 from ssdsl.runtime.init import named_values
 from ssdsl.runtime.job import JobSpec, plan_job
 from ssdsl.runtime.reference import to_dtype
-from ssdsl.trace.model_file import ModelFile, def_span, load_model_file
+from ssdsl.trace.model_file import ModelFile, PlainModelRaised, def_span, load_model_file
 # The model file's contract checks run in the trace phase (so `ssdsl check` and `--no-verify`
 # report them too); verification calls them again on what it plans.
 from ssdsl.trace.trial import (NonDeterministicBatch, RandomOperator,  # noqa: F401
@@ -200,6 +200,9 @@ def simulate_step(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int 
     except ValueError as exc:  # the simulator's refusal of plans it does not run
         raise SimulatorCannotRun(f"the all-ranks simulator cannot run this plan yet ({exc})") \
             from exc
+    except PlainModelRaised as err:  # no reference in this dtype: not the simulator's fault
+        raise SimulatorCannotRun(f"{err.message}{f' at {err.span}' if err.span else ''}") \
+            from err
     except SsdslError:
         raise
     except Exception as exc:  # noqa: BLE001 - a fault of the simulator: said, not hidden
