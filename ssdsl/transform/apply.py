@@ -27,7 +27,7 @@ def _plan_dims(ann: Annotation) -> str:
     ``heads``, ``out``) else the label with factors as ``k_1``; frozen dims left out."""
     words = {label: word for word, label in ann.words.items()}
     names = [plan_word(ann.names.get(n) or words.get(n) or n)
-             for n, lab in ann.labels().items() if lab.mark != "frozen"]
+             for n, lab in ann.labels().items() if lab.mark in ("spatial", "reduced")]
     return ", ".join(dict.fromkeys(names)) or "none that can be split"
 
 
@@ -103,7 +103,7 @@ class _Builder:
         op without the dim; a frozen dim of an output (a batch norm's batch) is still refused."""
         ann = self.anns[name]
         assert isinstance(ann, Annotation)
-        if ann.labels()[label].mark != "frozen":
+        if ann.labels()[label].mark not in ("frozen", "ignored"):
             return False
         return all(f.label != label for sig in ann.outputs for dim in sig for f in dim)
 
