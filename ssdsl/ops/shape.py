@@ -290,6 +290,37 @@ def _extent_of(f: Factor, ranges: Mapping[str, Interval]) -> int:
     return stop - start
 
 
+@register("aten.repeat_interleave.self_int")
+def repeat_interleave(call: Call) -> Annotation:
+    """``x.repeat_interleave(r, dim)``: each index of ``dim`` repeated ``r`` times in place, the
+    merged dim ``(n r)`` with the copy innermost (``out[j * r + c] = x[j]``; GPT-J's rotary
+    tables). The copies are generated, every dim of ``x`` flows through. Without ``dim`` the
+    input is flattened first: not annotated."""
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    dim, r = call.arg(2, "dim"), call.arg(1, "repeats")
+    if dim is None or not isinstance(r, int):
+        raise Unsplittable("repeat_interleave over the flattened input")
+    d = norm_dim(dim, len(src))
+    labels = dims(len(src))
+    ins = plain(labels, src)
+    outs = list(ins)
+    outs[d] = (Factor(labels[d], src[d]), Factor("c", r)) if src[d] > 1 else (Factor("c", r),)
+    if src[d] == 1:
+        ins = tuple((Factor("one", 1),) if k == d else f for k, f in enumerate(ins))
+
+    @by_extent
+    def lower(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
+        copies = math.prod(_extent_of(f, ranges) for f in ann.outputs[0][d]
+                           if f.label.startswith("c"))
+        args, kw = set_arg(args, kwargs, 1, "repeats", copies)
+        kw = tuple((k, local_shape(ann.outputs[0], ranges)[d] if k == "output_size" else v)
+                   for k, v in kw)
+        if len(args) > 3:
+            args = args[:3] + (local_shape(ann.outputs[0], ranges)[d],) + args[4:]
+        return LocalCall(call.op.target, args, kw)
+    return Annotation((ins,), (tuple(outs),), generated=frozenset({"c"}), lower=lower)
+
+
 @register("aten.roll.default")
 def roll(call: Call) -> Annotation:
     (src,) = call.in_shapes
