@@ -89,18 +89,29 @@ def test_batch_norm_is_refused_where_the_batch_is_split(capsys, plan, line):
     assert line in err and "batch normalization" in err
 
 
+BN_PLANS = {
+    # statistics per channel: BatchNorm split by channels, the rest replicated
+    "channels": "partition kind(batch_norm) along d1 into n\nreplicate rest into n\n",
+    # data parallelism with BatchNorm replicated: it gathers the batch (exact, as a synchronized
+    # batch norm is)
+    "dp": "partition all except kind(batch_norm) along batch into n\n"
+          "replicate kind(batch_norm) into n\n",
+}
+
+
 @pytest.mark.slow
 @TIMM
-def test_batch_norm_split_by_channels_keeps_its_running_statistics(capsys, tmp_path):
-    """BatchNorm partitioned by channels (its statistics are per channel), the in-place
-    hard-swish after it reading the gathered result: the training and the running statistics
-    of the saved state equal the plain model's."""
+@pytest.mark.parametrize("layout", list(BN_PLANS))
+def test_batch_norm_keeps_its_running_statistics(capsys, tmp_path, layout):
+    """BatchNorm split by channels or replicated under data parallelism, the in-place
+    hard-swish after it reading a gathered result: the training and the running statistics of
+    the saved state equal the plain model's."""
     from ssdsl.runtime.reference import OptimizerSpec, run_reference
     from ssdsl.trace.model_file import load_model_file
 
-    plan = tmp_path / "bn_channels.ssp"
-    plan.write_text("plan bn_channels(n: int = world)\npartition kind(batch_norm) along d1 "
-                    "into n\nreplicate rest into n\nassign each part i to device i\n")
+    plan = tmp_path / "bn.ssp"
+    plan.write_text(f"plan bn(n: int = world)\n{BN_PLANS[layout]}"
+                    "assign each part i to device i\n")
     saved = tmp_path / "state.pt"
     model = HERE / "timm_mobilenet.py"
     code, captured = _run(capsys, model, [str(plan)], 2, "float64", "--save", str(saved))
