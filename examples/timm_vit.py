@@ -68,8 +68,19 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _stand_in_torchvision() -> None:
-    if importlib.util.find_spec("torchvision") is None:
-        sys.meta_path.append(_StandInFinder())
+    """Import timm with the stand-ins in place, then take them away: timm keeps the names it
+    bound, and ``torchvision`` is missing again for other libraries (transformers' vision
+    models check for it and would take the stand-in for an install without a version)."""
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    finder = _StandInFinder()
+    sys.meta_path.append(finder)
+    try:
+        import timm  # noqa: F401
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
+            del sys.modules[name]
 
 
 def build_model() -> nn.Module:

@@ -100,7 +100,7 @@ def _elementwise_samples() -> dict[str, list]:
         "aten.clamp_max_.default": [([r(4, 6), 0.0], {})],
     })
     for n in ["relu", "gelu", "silu", "sigmoid", "tanh", "exp", "neg", "sqrt", "rsqrt", "abs",
-              "reciprocal"]:
+              "reciprocal", "hardswish", "hardsigmoid", "hardtanh", "mish"]:
         s[f"aten.{n}_.default"] = [([r(4, 6, positive=n in ("sqrt", "rsqrt"))], {})]
     for n in ["add", "sub", "mul", "div"]:
         s[f"aten.{n}_.Tensor"] = [([r(4, 6), r(6, seed=2, positive=True)], {}),
@@ -153,6 +153,10 @@ def _samples() -> dict[str, list]:
                               ([x, 2, 1, 4], {})],
         "aten.expand.default": [([r(2, 1, 6), [2, 4, 6]], {}), ([r(6), [3, 4, -1]], {})],
         "aten.roll.default": [([x, [1, -2], [1, 2]], {})],
+        "aten.repeat_interleave.self_int": [([r(2, 3, 4), 2, 2], {}), ([r(4, 3), 3, 0], {}),
+                                            ([r(2, 3, 4), 2, -1], {"output_size": 8})],
+        "aten.repeat.default": [([r(2, 1, 6), [4, 3, 1]], {}), ([r(3, 2), [2, 2, 1]], {}),
+                                ([r(4, 1, 6), [2, 1, 1, 2]], {})],
         "aten.index.Tensor": [([r(10, 4), [ints(10, 6, 2)]], {}),
                               ([r(4, 10), [None, ints(10, 6)]], {}),
                               ([r(4, 10, 6), [ints(4, 8, 1), ints(10, 1, 2)]], {}),

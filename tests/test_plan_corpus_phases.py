@@ -56,11 +56,17 @@ def _graph(model: Path = GPT):
     return trace(load_model_file(model), device="meta")
 
 
+def _param(path: Path):
+    """A file against a third-party family (tests/models/families) is slow: it traces one."""
+    slow = "families" in _model(path).parts
+    return pytest.param(path, id=path.stem, marks=[pytest.mark.slow] if slow else [])
+
+
 def test_corpus_size():
     assert len(FILES) >= 12
 
 
-@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+@pytest.mark.parametrize("path", [_param(p) for p in FILES])
 def test_wrong_plan_after_the_front_end(path: Path):
     world, cls, line, column, file = _header(path)
     with pytest.raises(SsdslError) as info:
@@ -73,7 +79,7 @@ def test_wrong_plan_after_the_front_end(path: Path):
     assert Path(first.span.file).name == file, err.render()
 
 
-@pytest.mark.parametrize("path", FILES[::3], ids=[p.stem for p in FILES[::3]])
+@pytest.mark.parametrize("path", [_param(p) for p in FILES[::3]])
 def test_check_prints_it_briefly(path: Path, capsys):
     world, _, line, column, _ = _header(path)
     assert main(["check", str(_model(path)), str(path), "--world", str(world)]) == 2

@@ -144,7 +144,7 @@ class Label:
 
     name: str
     size: int
-    mark: str  # "spatial" | "reduced" | "frozen"
+    mark: str  # "spatial" | "reduced" | "frozen" | "ignored"
     reason: str | None = None
 
 
@@ -156,7 +156,9 @@ class Annotation:
     found in an output is *spatial* (each part computes a slice of the outputs) when it also occurs
     in an input or is in ``generated`` (the op makes that dim itself, e.g. ``arange``, an
     ``expand``ed dim); a label only in inputs is *reduced* when listed in ``reduced`` (parts give
-    partial sums); every other label, and every label in ``frozen``, cannot be split.
+    partial sums); a label in ``ignored`` is an input dim the op reads nothing of but dtype and
+    device (``x.new_ones(size)``): a part may read any piece of it and makes the same output;
+    every other label, and every label in ``frozen``, cannot be split.
     ``names`` gives the flowing name an op introduces for a label (attention's heads);
     ``words`` gives plain words a plan may use for a label (a linear's ``out`` and ``in``).
     """
@@ -166,6 +168,7 @@ class Annotation:
     reduced: frozenset[str] = frozenset()
     generated: frozenset[str] = frozenset()
     frozen: Mapping[str, str] = attrs.field(converter=MappingProxyType, factory=dict)
+    ignored: frozenset[str] = frozenset()
     names: Mapping[str, str] = attrs.field(converter=MappingProxyType, factory=dict)
     words: Mapping[str, str] = attrs.field(converter=MappingProxyType, factory=dict)
     lower: LowerFn = attrs.field(default=keep_args, eq=False)
@@ -211,7 +214,7 @@ class Annotation:
 
     def splittable(self) -> list[str]:
         """Labels that may be split: spatial and reduced ones."""
-        return [n for n, lab in self.labels().items() if lab.mark != "frozen"]
+        return [n for n, lab in self.labels().items() if lab.mark in ("spatial", "reduced")]
 
     def refined(self, label: str, sizes: Sequence[int]) -> Annotation:
         """The same annotation with ``label`` cut into factors ``label.0, label.1, ...`` of
@@ -230,7 +233,7 @@ class Annotation:
         return attrs.evolve(self, inputs=tuple(map(cut, self.inputs)),
                             outputs=tuple(map(cut, self.outputs)),
                             reduced=expand(self.reduced), generated=expand(self.generated),
-                            frozen=frozen, names=names)
+                            ignored=expand(self.ignored), frozen=frozen, names=names)
 
     def partition(self, call: Call, ranges: Mapping[str, Interval]) -> SubOp:
         """The sub-operator that covers ``ranges`` (label -> index interval) of its labels."""
@@ -334,6 +337,8 @@ class Annotation:
 
 
 def _mark(ann: Annotation, name: str, size: int, in_out: bool, in_in: bool) -> Label:
+    if name in ann.ignored and not in_out:
+        return Label(name, size, "ignored", "read for its dtype and device only")
     if name in ann.frozen:
         return Label(name, size, "frozen", ann.frozen[name])
     if size == 1:

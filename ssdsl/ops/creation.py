@@ -44,7 +44,8 @@ def filled(call: Call) -> Annotation:
     so a dim of the new tensor with the size of ``x``'s dim at the same position shares its
     label (the batch of ``labels.new_zeros(labels.shape)`` flows on, as in a decoder's labels
     shifted right): a part makes its local piece beside its piece of ``x``. ``x``'s other dims
-    are frozen (read whole, for the dtype only)."""
+    are ignored: any piece of them gives the same tensor (a micro-batch makes Mistral's
+    ``mask.new_ones(())`` from its own rows)."""
     (shape,) = call.out_shapes
     labels = dims(len(shape))
     new = call.op.target.startswith("aten.new_")
@@ -54,10 +55,9 @@ def filled(call: Call) -> Annotation:
     src = call.in_shapes[0]
     aligned = len(src) == len(shape)
     src_labels = [labels[k] if aligned and s == shape[k] else f"x{k}" for k, s in enumerate(src)]
-    frozen = {lab: "its source tensor only gives dtype and device"
-              for lab in src_labels if lab.startswith("x")}
+    ignored = frozenset(lab for lab in src_labels if lab.startswith("x"))
     return Annotation((plain(src_labels, src),), (plain(labels, shape),),
-                      generated=frozenset(labels), frozen=frozen, lower=lower_sizes(1, "size"))
+                      generated=frozenset(labels), ignored=ignored, lower=lower_sizes(1, "size"))
 
 
 @register("aten.tril.default", "aten.triu.default")

@@ -10,6 +10,7 @@ UNARY = [
     "relu", "gelu", "silu", "sigmoid", "tanh", "exp", "log", "neg", "rsqrt", "sqrt", "abs", "sin",
     "cos", "reciprocal", "square", "erf", "log1p", "expm1", "sign", "hardtanh", "leaky_relu", "elu",
     "softplus", "clamp", "clamp_min", "clamp_max", "logical_not", "bitwise_not", "isnan",
+    "hardswish", "hardsigmoid", "mish",
 ]
 IDENTITY = ["clone", "contiguous", "alias", "detach", "_to_copy", "lift_fresh_copy",
             "dropout"]
@@ -38,7 +39,8 @@ _targets = (
 # view and writer sit on the same device with nothing moved between them (docs/operators.md).
 IN_PLACE = (
     [f"aten.{n}_.default" for n in ["relu", "gelu", "silu", "sigmoid", "tanh", "exp", "neg",
-                                     "sqrt", "rsqrt", "abs", "reciprocal", "zero"]]
+                                     "sqrt", "rsqrt", "abs", "reciprocal", "zero",
+                                     "hardswish", "hardsigmoid", "hardtanh", "mish"]]
     + [f"aten.{n}_.Tensor" for n in ["add", "sub", "mul", "div"]]
     + [f"aten.{n}_.Scalar" for n in ["add", "sub", "mul", "div", "fill", "masked_fill"]]
     + ["aten.masked_fill_.Tensor", "aten.fill_.Tensor", "aten.copy_.default", "aten.clamp_.default",

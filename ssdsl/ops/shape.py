@@ -7,6 +7,7 @@ and a split of ``h`` in a fused ``(3 h d)`` dim is a strided region.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from ssdsl.ops.build import broadcast, dims, lower_sizes, norm_dim, plain, reshape_sigs, set_arg
@@ -250,6 +251,74 @@ def expand(call: Call) -> Annotation:
     (src,), (dst,) = call.in_shapes[:1], call.out_shapes
     ins, out, _, made = expand_sigs(src, dst)
     return Annotation((ins,), (out,), generated=made, lower=lower_sizes(1, "size"))
+
+
+@register("aten.repeat.default")
+def repeat(call: Call) -> Annotation:
+    """``x.repeat(r0, r1, ...)``: output dim k is the input's dim tiled ``r_k`` times, the merged
+    dim ``(r_k n_k)`` with the copy outermost (``out[c * n + j] = x[j]``); leading counts past
+    ``x``'s rank make new dims ``(r_k)``. The copies are generated (a part makes as many as its
+    piece holds) and the input's dims flow through, so the batch of an ALiBi bias built as
+    ``slopes.repeat(batch, 1, 1)`` can be split."""
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    reps = tuple(call.arg(1, "repeats"))
+    offset = len(reps) - len(src)
+    ins, outs, made = [], [], set()
+    for k, r in enumerate(reps):
+        copies = (Factor(f"c{k}", r),) if r > 1 or k < offset else ()
+        made.update(f.label for f in copies)
+        if k < offset:
+            outs.append(copies)
+            continue
+        n = src[k - offset]
+        inner = Factor(f"d{k}" if n > 1 or not copies else f"one{k}", n)
+        ins.append((inner,))
+        outs.append((*copies, inner) if n > 1 or not copies else copies)
+    assert tuple(math.prod(f.size for f in d) for d in outs) == tuple(dst)
+
+    @by_extent
+    def lower(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
+        # the tracer may have cut a count into factors (``c0.0, c0.1``): their extents multiply
+        local = tuple(math.prod(_extent_of(f, ranges) for f in d if f.label.startswith("c"))
+                      for d in ann.outputs[0])
+        return LocalCall(call.op.target, *set_arg(args, kwargs, 1, "repeats", local))
+    return Annotation((tuple(ins),), (tuple(outs),), generated=frozenset(made), lower=lower)
+
+
+def _extent_of(f: Factor, ranges: Mapping[str, Interval]) -> int:
+    start, stop = ranges.get(f.label, (0, f.size))
+    return stop - start
+
+
+@register("aten.repeat_interleave.self_int")
+def repeat_interleave(call: Call) -> Annotation:
+    """``x.repeat_interleave(r, dim)``: each index of ``dim`` repeated ``r`` times in place, the
+    merged dim ``(n r)`` with the copy innermost (``out[j * r + c] = x[j]``; GPT-J's rotary
+    tables). The copies are generated, every dim of ``x`` flows through. Without ``dim`` the
+    input is flattened first: not annotated."""
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    dim, r = call.arg(2, "dim"), call.arg(1, "repeats")
+    if dim is None or not isinstance(r, int):
+        raise Unsplittable("repeat_interleave over the flattened input")
+    d = norm_dim(dim, len(src))
+    labels = dims(len(src))
+    ins = plain(labels, src)
+    outs = list(ins)
+    outs[d] = (Factor(labels[d], src[d]), Factor("c", r)) if src[d] > 1 else (Factor("c", r),)
+    if src[d] == 1:
+        ins = tuple((Factor("one", 1),) if k == d else f for k, f in enumerate(ins))
+
+    @by_extent
+    def lower(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
+        copies = math.prod(_extent_of(f, ranges) for f in ann.outputs[0][d]
+                           if f.label.startswith("c"))
+        args, kw = set_arg(args, kwargs, 1, "repeats", copies)
+        kw = tuple((k, local_shape(ann.outputs[0], ranges)[d] if k == "output_size" else v)
+                   for k, v in kw)
+        if len(args) > 3:
+            args = args[:3] + (local_shape(ann.outputs[0], ranges)[d],) + args[4:]
+        return LocalCall(call.op.target, args, kw)
+    return Annotation((ins,), (tuple(outs),), generated=frozenset({"c"}), lower=lower)
 
 
 @register("aten.roll.default")

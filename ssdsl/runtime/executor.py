@@ -934,12 +934,23 @@ def _call(target: str, args: tuple, kwargs: dict) -> Any:
     A graph traced on real tensors omits the ``contiguous()`` that was a no-op there (attention's
     output was already laid out for the view); a received activation can be laid out otherwise.
     """
+    if args and _writes_in_place(target) and isinstance(args[0], torch.Tensor) \
+            and args[0].is_leaf and args[0].requires_grad:
+        # a value this rank received or cut (a leaf of its autograd graph, which autograd does
+        # not let an in-place op write): its copy is written; nothing on the rank aliases it
+        args = (args[0].clone(), *args[1:])
     try:
         return call_target(target, args, kwargs)
     except RuntimeError:
         if target != "aten.view.default":
             raise
         return torch.ops.aten.reshape.default(*args, **kwargs)
+
+
+def _writes_in_place(target: str) -> bool:
+    """``aten.relu_.default``, ``aten.add_.Tensor``: an ATen op whose name ends in ``_``."""
+    name = target.split(".")[1] if target.count(".") >= 2 else target
+    return name.endswith("_") and not name.endswith("__")
 
 
 def assemble(shards: list[tuple[str, Region, torch.Tensor]]) -> dict[str, torch.Tensor]:

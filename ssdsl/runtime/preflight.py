@@ -38,7 +38,7 @@ from ssdsl.materialize.program import Materialized
 from ssdsl.runtime.init import named_values
 from ssdsl.runtime.job import JobSpec, plan_job
 from ssdsl.runtime.reference import to_dtype
-from ssdsl.trace.model_file import ModelFile, def_span, load_model_file
+from ssdsl.trace.model_file import ModelFile, PlainModelRaised, def_span, load_model_file
 # The model file's contract checks run in the trace phase (so `ssdsl check` and `--no-verify`
 # report them too); verification calls them again on what it plans.
 from ssdsl.trace.trial import (NonDeterministicBatch, RandomOperator,  # noqa: F401
@@ -126,7 +126,9 @@ def verify_before_launch(spec: JobSpec, world: int, *, enabled: bool = True,
             return _verified(verdict, start, "float64")
         m64, dtype = _plan_for_verification(spec, world)
         verdict = _simulated(m64, mf, spec, start)
-        if isinstance(verdict, Verification) or m64.dtype == m.dtype:
+        # not simulated in float64 (the plain model has no float64 kernel for an operator, say):
+        # the programs that run are still simulated in their own dtype below
+        if m64.dtype == m.dtype:
             return _verified(verdict, start, dtype)
     return _verified(_simulated(m, mf, spec, start), start, str(m.dtype).removeprefix("torch."))
 
@@ -200,6 +202,9 @@ def simulate_step(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int 
     except ValueError as exc:  # the simulator's refusal of plans it does not run
         raise SimulatorCannotRun(f"the all-ranks simulator cannot run this plan yet ({exc})") \
             from exc
+    except PlainModelRaised as err:  # no reference in this dtype: not the simulator's fault
+        raise SimulatorCannotRun(f"{err.message}{f' at {err.span}' if err.span else ''}") \
+            from err
     except SsdslError:
         raise
     except Exception as exc:  # noqa: BLE001 - a fault of the simulator: said, not hidden

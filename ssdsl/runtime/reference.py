@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
-from ssdsl.trace.model_file import ModelFile
+from ssdsl.trace.model_file import ModelFile, PlainModelRaised, _describe, locate_in
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -72,8 +72,14 @@ def run_reference(model_file: ModelFile, *, steps: int, batch_size: int | None =
         inputs = tuple(t.to(device) for t in to_dtype(inputs, dtype))
         target = to_dtype(target, dtype).to(device)
         opt.zero_grad(set_to_none=True)
-        loss = model_file.loss(model(*inputs), target)
-        loss.backward()
+        try:
+            loss = model_file.loss(model(*inputs), target)
+            loss.backward()
+        except Exception as exc:
+            raise PlainModelRaised(
+                f"the plain model (one device, {str(dtype).removeprefix('torch.')}) raised "
+                f"{_describe(exc)} in step {step}", locate_in(model_file.path, exc),
+                file=model_file.path) from exc
         if step in grad_steps:
             grads[step] = {names[p]: p.grad.detach().cpu().clone()
                            for p in model.parameters() if p.grad is not None}

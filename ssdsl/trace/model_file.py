@@ -66,6 +66,14 @@ class ModelFileContract(ModelFileError):
                     "make_optimizer must return")
 
 
+class PlainModelRaised(ModelFileRaised):
+    """The plain model, trained on one device as the reference of a check, raised an exception
+    (a library kernel without float64, say) after it traced and planned."""
+
+    default_hint = ("the check trains the plain model on one device in the run's dtype and "
+                    "this model does not compute in it here: check in another --dtype")
+
+
 def locate_in(path: str, exc: BaseException) -> Span | None:
     """The line of the model file where ``exc`` was raised (the deepest frame in that file)."""
     target = str(Path(path).resolve())

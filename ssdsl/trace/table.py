@@ -45,7 +45,7 @@ def splittable_text(row: dict[str, Any]) -> str:
         return f"replicate only: {row['replicate_only']}"
     parts = []
     for d in row["dims"]:
-        if d["mark"] == "frozen":
+        if d["mark"] in ("frozen", "ignored"):
             continue
         text = f"{plan_word(d['name'] or d['label'])}:{d['size']}"
         parts.append(text + ("(sum)" if d["mark"] == "reduced" else ""))

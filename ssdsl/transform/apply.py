@@ -27,7 +27,7 @@ def _plan_dims(ann: Annotation) -> str:
     ``heads``, ``out``) else the label with factors as ``k_1``; frozen dims left out."""
     words = {label: word for word, label in ann.words.items()}
     names = [plan_word(ann.names.get(n) or words.get(n) or n)
-             for n, lab in ann.labels().items() if lab.mark != "frozen"]
+             for n, lab in ann.labels().items() if lab.mark in ("spatial", "reduced")]
     return ", ".join(dict.fromkeys(names)) or "none that can be split"
 
 
@@ -58,6 +58,9 @@ class _Builder:
             except NotAnnotatedError as err:
                 raise _at(err, d.span) from None
         labels = {n: self._label(n, d.dim, d.parts) for n in names}
+        if len(names) > 1:  # a selection: an op that only reads the dim is an op without it
+            labels = {n: None if lab is not None and self._read_only(n, lab) else lab
+                      for n, lab in labels.items()}
         if not any(labels.values()):
             raise MissingDim(self._missing_message(names, d.dim), d.span,
                              hint=self._missing_hint(names, d.dim))
@@ -92,6 +95,17 @@ class _Builder:
         if lacking:
             self.notes.append(f"{d.span}: {len(lacking)} operator(s) without dim '{d.dim}' "
                               f"replicated into {d.parts} (e.g. '{lacking[0]}')")
+
+    def _read_only(self, name: str, label: str) -> bool:
+        """Whether ``label`` of ``name`` is an input dim that no output has and that cannot be
+        split (``x.new_ones(())`` reads only ``x``'s dtype; ``table[idx]`` looks rows up): the
+        op computes nothing along it, so a selection's split leaves it whole, as it leaves an
+        op without the dim; a frozen dim of an output (a batch norm's batch) is still refused."""
+        ann = self.anns[name]
+        assert isinstance(ann, Annotation)
+        if ann.labels()[label].mark not in ("frozen", "ignored"):
+            return False
+        return all(f.label != label for sig in ann.outputs for dim in sig for f in dim)
 
     def _record(self, name: str, label: str, flowing: dict[str, int], outer: bool = False
                 ) -> None:

@@ -267,7 +267,10 @@ def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Micro
             subs = memo[tuple(keys)] = ann.partition_along(call, label, ranges)
         except FrozenDimError as err:  # a batch statistic: no micro-batch has it alone
             raise NotMicrobatchable(f"{err.message}: micro-batches cannot split it", d.span,
-                                    hint=err.hint) from None
+                                    hint="each micro-batch runs every operator on its share of "
+                                    "the batch, and this one needs all of it: run without "
+                                    "micro-batches (microbatches=1), or change the model (a "
+                                    "GroupNorm or LayerNorm for a BatchNorm)") from None
         except SsdslError as err:
             raise _at(err, d.span) from None
     return [Part(part.op, part.index, part.replica, key, sub, part.device, part.span,

@@ -95,9 +95,12 @@ def _match_one(seg, name: str) -> bool:
 def _suggest(graph: Graph, sel: Selector) -> str:
     if not isinstance(sel, (Path, Kind)):
         return ""
+    kinds = {op.kind for op in graph.ops}
     if isinstance(sel, Kind):
-        pool = sorted({op.kind for op in graph.ops})
+        pool = sorted(kinds)
         words = list(sel.kinds)
+    elif len(sel.segments) == 1 and sel.segments[0] in kinds:  # a kind written as a path
+        return f" (did you mean 'kind({sel.segments[0]})', the operators of that kind?)"
     elif (fixed := _repair_path(graph, sel)) is not None:
         return f" (did you mean '{fixed}'?)"
     else:

@@ -1,0 +1,43 @@
+"""Operators that read a batch-carrying tensor for its dtype and device only, or tile a bias over
+the batch, under data parallelism and micro-batches (HF Mistral's sliding-window mask starts
+from ``positions.new_ones(())``; BLOOM's ALiBi is ``slopes.repeat(batch, 1, 1)``). The oracle is
+the plain model: one step of all ranks simulated in this process against it, in float64."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ssdsl.runtime.job import JobSpec
+from ssdsl.runtime.preflight import verify_before_launch
+
+MODEL = str(Path(__file__).resolve().parent / "models" / "window_alibi.py")
+
+
+@pytest.mark.parametrize("plan, params, world", [
+    ("dp", (), 2),
+    ("dp", (), 4),
+    ("1f1b", (("microbatches", "4"),), 2),
+    ("gpipe", (("microbatches", "2"),), 2),
+    ("dp_zero", (("stage", "3"),), 2),
+])
+def test_window_and_alibi_train_like_the_plain_model(plan, params, world):
+    v = verify_before_launch(JobSpec(MODEL, plan, params), world)
+    assert v.verified and v.dtype == "float64", v
+    assert abs(v.loss - v.reference_loss) <= 1e-12 * abs(v.reference_loss)
+    assert v.max_grad_error < 1e-12
+
+
+def test_a_source_read_for_its_dtype_is_not_a_splittable_dim():
+    """``ssdsl trace`` does not offer the source's dims of ``new_ones`` as splittable, and
+    partitioning that one operator alone along its source's batch is refused, located."""
+    from ssdsl.ops import annotate
+    from ssdsl.trace import trace
+    from ssdsl.trace.model_file import load_model_file
+
+    graph = trace(load_model_file(MODEL), device="meta")
+    (op,) = [o for o in graph.ops if o.kind == "new_ones"]
+    ann = annotate(graph, op)
+    assert ann.splittable() == []
+    assert {lab.mark for lab in ann.labels().values()} <= {"ignored", "frozen"}
