@@ -1,0 +1,240 @@
+"""Lowering once per rank class: ranks whose programs differ only in rank-dependent values.
+
+Many ranks of a large plan run the same program up to their peers: the 64 ranks of one stage of
+a dp x tp x pp pipeline differ in the peers and process groups of their communication, the
+message tags, the regions of the shards and batch rows they take, the part index of each local
+call and the gradient buckets they are in, and in nothing else. ``rank_key`` describes
+everything the lowering of a rank (``ssdsl.lower.build._RankLowering``) reads about that rank,
+with those values (the *stamped* fields) left out, and the *pattern* of equal source regions
+kept (two uses of one shard give one take). Ranks of equal keys form a class; one
+representative is lowered, and each other member's program is the representative's with the
+stamped fields taken from the member's own plan, at the same positions (``stamp_program``):
+
+- a ``Comm``'s or ``LocalAdapter``'s steps: the member's share of the same adapter
+  (``rank_view``), stamped with the same tag base;
+- a take's region: the member's source use of the same (tensor, operator, slot, part position);
+- a ``Call``'s part index and local call: the member's part at the same position;
+- a gradient bucket (``ReduceBucket``, ``GatherBucket``): the member's bucket at the same
+  position among the buckets it is in (ZeRO stage 3, whose bucket indices order the lowering's
+  work, keeps them in the key instead: such ranks share a class only with equal buckets);
+- the program's rank.
+
+Why that is the direct lowering of the member: the lowering reads a rank's plan only through
+the facts the key holds and the stamped fields; it copies the stamped fields into instructions
+without looking inside them (it only asks a step whether it moves data, and a take's region
+whether it equals another: both in the key). So with equal keys it makes the same decisions at
+the same places, and only the copied values differ. ``lower_rank(..., direct=True)`` lowers
+directly, and the tests compare the two rank by rank, field by field, on many plans.
+
+Every rank still has its own frozen program, checked as a whole by ``ssdsl.check``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ssdsl.lower.instr import GatherBucket, Program, ReduceBucket
+from ssdsl.lower.build import _Context, _has_grad, _passthrough, rank_view, stamp
+
+# -- the class key -------------------------------------------------------------------------------
+
+
+@attrs.define
+class RankIndex:
+    """Per-rank lookups of a plan, made once (what each rank's key asks for)."""
+
+    ops_on: dict[int, list[tuple[Any, tuple[Any, ...]]]]   # rank -> [(op, its parts there)]
+    edges_on: dict[int, list[int]]                          # rank -> edge ids its adapter spans
+    buckets_on: dict[int, list[int]]                        # rank -> indices of its buckets
+    unit_group: dict[int, int]                              # rank -> its schedule program
+    bucket_facts: tuple[tuple, ...]                         # per bucket: what the key compares
+    sources: frozenset[tuple[str, str, int]]                # (tensor, op, slot) of source uses
+
+    @classmethod
+    def of(cls, ctx: _Context) -> RankIndex:
+        m, t = ctx.m, ctx.m.transformed
+        ops_on: dict[int, list[tuple[Any, tuple[Any, ...]]]] = {}
+        for op in t.graph.ops:
+            seen: set[int] = set()
+            for p in t.parts[op.name]:
+                if p.device not in seen:
+                    seen.add(p.device)
+                    ops_on.setdefault(p.device, []).append((op, ctx.placed[(op.name, p.device)]))
+        edges_on: dict[int, list[int]] = {}
+        for eid, key in enumerate(ctx.edge_keys):
+            for d in m.edges[key].adapter.devices:
+                edges_on.setdefault(d, []).append(eid)
+        for lst in edges_on.values():
+            lst.sort()
+        buckets = m.reducer.buckets
+        buckets_on: dict[int, list[int]] = {}
+        for i, b in enumerate(buckets):
+            for d in dict.fromkeys(b.devices):
+                buckets_on.setdefault(d, []).append(i)
+        everyone = tuple(range(t.world))
+        carrier = max((i for i, b in enumerate(buckets)
+                       if tuple(b.devices) == everyone and b.zero < 2), default=None)
+        facts = tuple((b.zero, b.span, b.keep, tuple(name for name, _ in b.entries),
+                       i == carrier) for i, b in enumerate(buckets))
+        groups: dict[int, int] = {}  # a rank runs the first program that names it
+        for k, (group, _) in enumerate(ctx.units):
+            for r in group:
+                groups.setdefault(r, k)
+        sources = frozenset((name, op.name, slot) for op in t.graph.ops
+                            for slot, name in enumerate(op.inputs)
+                            if (name, op.name, slot) not in m.edges)
+        return cls(ops_on, edges_on, buckets_on, groups, facts, sources)
+
+
+def rank_key(ctx: _Context, index: RankIndex, rank: int, views: dict[int, Any]) -> tuple:
+    """Everything the lowering of ``rank`` reads about it, stamped fields left out (module
+    docstring). ``views`` receives the rank's share of each adapter (``id`` -> view), for
+    stamping."""
+    m = ctx.m
+    key: list[Any] = [index.unit_group.get(rank)]
+    buckets = index.buckets_on.get(rank, [])
+    z3 = any(m.reducer.buckets[i].zero == 3 for i in buckets)
+    z3_of = {e: i for i in buckets if m.reducer.buckets[i].zero == 3
+             for e in m.reducer.buckets[i].entries} if z3 else None
+    key.append(tuple(buckets) if z3 else tuple(index.bucket_facts[i] for i in buckets))
+    regions: dict[Any, int] = {}  # numbered by first use: equal keys, equal patterns
+    output = m.transformed.graph.output
+    for op, held in index.ops_on.get(rank, ()):
+        loss = output in op.outputs  # a loss part counts once: replica 0
+        key.append((op.name, tuple((tuple(x is None for x in p.sub.inputs), p.span,
+                                    p.assigned_at, loss and any(p.replica_index))
+                                   for p in held)))
+        for slot, name in enumerate(op.inputs):
+            if (name, op.name, slot) not in index.sources:
+                continue
+            for p in held:
+                if p.sub.inputs[slot] is None:
+                    continue
+                use = m.sources.get((name, op.name, slot, rank, p.index))
+                if use is None:
+                    key.append(None)
+                    continue
+                n = regions.setdefault(use.region, len(regions))
+                key.append((n, use.scale, z3_of.get((name, use.region)) if z3 else None))
+    stage_devices, stage = ctx.stage_devices, m.transformed.stage
+    for eid in index.edges_on.get(rank, ()):
+        k = ctx.edge_keys[eid]
+        ad = m.edges[k].adapter
+        fwd = views[id(ad)] = rank_view(ad, rank)
+        back = None
+        if ad.backward is not None:
+            back = views[id(ad.backward)] = rank_view(ad.backward, rank)
+        mine = [r for d, r in ad.producers if d == rank]
+        took = [r for d, r in ad.consumers if d == rank]
+        key.append((eid, rank in stage_devices[stage(k[1])], _passthrough(ad, rank),
+                    len(mine), len(took), tuple(r.local_shape for r in mine),
+                    tuple(r.local_shape for r in took), _shape_of(fwd),
+                    _shape_of(back) if back is not None else None))
+    return tuple(key)
+
+
+def _shape_of(view: Any) -> tuple:
+    """What the lowering asks of a rank's share of an adapter: per step, a collective's kind,
+    whether it meets, its dims; a point-to-point step's extent, slot counts and messages' kinds
+    (whether anything moves, whether the step is empty)."""
+    out = []
+    for step in view:
+        if type(step) is tuple:
+            end, sources, targets, msgs = step
+            out.append((end, len(sources), len(targets), tuple(x[1] for x in msgs)))
+        else:
+            out.append((step.kind, step.meets, step.dim, step.cat_dim, step.split_dim))
+    return tuple(out)
+
+
+# -- stamping ------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Representative:
+    """A lowered representative of a class: its rank, program and where each instruction's
+    stamped fields came from (``_RankLowering.sites``)."""
+
+    rank: int
+    program: Program
+    sites: dict[int, tuple]
+    buckets: tuple[int, ...]
+
+
+def stamp_program(ctx: _Context, index: RankIndex, rep: Representative, rank: int,
+                  views: dict[int, Any]) -> Program:
+    """``rep``'s program with the stamped fields of ``rank`` (module docstring); ``views`` as
+    ``rank_key`` filled them."""
+    m = ctx.m
+    mine = index.buckets_on.get(rank, [])
+    bucket_of = dict(zip(rep.buckets, mine))
+    placed, sources, stride = ctx.placed, m.sources, ctx.stride
+    buckets = m.reducer.buckets
+    out: list[Any] = []
+    for ins in rep.program.instructions:
+        site = rep.sites.get(id(ins))
+        cls = type(ins)
+        if site is not None:
+            kind = site[0]
+            if kind == "comm":
+                steps = stamp(views[id(site[1])], site[2], stride)
+                if steps != ins.steps:
+                    ins = attrs.evolve(ins, steps=steps)
+            elif kind == "local":
+                ad = site[1]
+                fwd = stamp(views[id(ad)], site[2], stride)
+                back = stamp(views[id(ad.backward)], site[2] + 1, stride) if _has_grad(ad) \
+                    else ()
+                if fwd != ins.steps or back != ins.back:
+                    ins = attrs.evolve(ins, steps=fwd, back=back)
+            elif kind == "take":
+                _, name, op, slot, pos = site
+                part = placed[(op, rank)][pos]
+                region = sources[(name, op, slot, rank, part.index)].region
+                if region != ins.region:
+                    ins = attrs.evolve(ins, region=region)
+            elif kind == "call":
+                part = placed[(ins.op, rank)][site[1]]
+                if part.index != ins.part or part.sub.local is not ins.call:
+                    ins = attrs.evolve(ins, part=part.index, call=part.sub.local)
+        elif (cls is ReduceBucket or cls is GatherBucket) and bucket_of.get(ins.bucket,
+                                                                           ins.bucket) != ins.bucket:
+            b = bucket_of[ins.bucket]
+            ins = attrs.evolve(ins, bucket=b, group=tuple(buckets[b].devices),
+                               entries=tuple(buckets[b].entries))
+        out.append(ins)
+    return Program(rank, rep.program.world, tuple(out))
+
+
+# -- the driver ----------------------------------------------------------------------------------
+
+
+class ClassLowering:
+    """The programs of one plan's ranks, each class lowered once (module docstring)."""
+
+    def __init__(self, ctx: _Context) -> None:
+        self.ctx = ctx
+        self.index = RankIndex.of(ctx)
+        self.reps: dict[tuple, Representative] = {}
+
+    def program(self, rank: int) -> Program:
+        """The program of ``rank``: lowered if it is the first of its class, else stamped."""
+        from ssdsl.lower.build import _RankLowering
+        views: dict[int, Any] = {}
+        key = rank_key(self.ctx, self.index, rank, views)
+        rep = self.reps.get(key)
+        if rep is not None:
+            return stamp_program(self.ctx, self.index, rep, rank, views)
+        lowering = _RankLowering(self.ctx, rank)
+        program = lowering.program()
+        self.reps[key] = Representative(rank, program, lowering.sites,
+                                        tuple(self.index.buckets_on.get(rank, ())))
+        return program
+
+    def representative(self, rank: int) -> int:
+        """The rank whose lowering ``rank``'s program was stamped from (itself when it is
+        the first of its class), once ``program(rank)`` was asked."""
+        key = rank_key(self.ctx, self.index, rank, {})
+        return self.reps[key].rank
