@@ -27,9 +27,9 @@ from ssdsl.codegen.text import literal, region_text
 from ssdsl.errors import SsdslError
 from ssdsl.gcpause import gc_paused
 from ssdsl.lower import Handler, Program, lower_rank, walk
-from ssdsl.lower.build import context_of
+from ssdsl.lower.build import classes_of, context_of
 from ssdsl.lower.instr import Coll, P2P
-from ssdsl.lower.text import instruction_text
+from ssdsl.lower.text import field_texts, text_of_fields
 from ssdsl.materialize.program import Materialized
 from ssdsl.source import Span, source_text
 
@@ -80,10 +80,32 @@ def _file_name(path: str) -> str:  # a plan has a few files; its citations numbe
     return Path(path).name
 
 
-class _Emitter(Handler):
-    """The code-writing handlers of the one walk."""
+@attrs.define
+class _Done:
+    """What visiting one instruction wrote (to be taken as it is for the very same instruction
+    at the same place of another rank's program: a program stamped from another shares most of
+    its instructions with it, ``ssdsl.lower.classes``)."""
 
-    def __init__(self, m: Materialized, program: Program) -> None:
+    ins: Any
+    n_consts: int  # constants before it
+    depth: int
+    stmts: tuple[Stmt, ...]
+    consts: tuple[str, ...]
+    fields: tuple[str | None, ...] | None  # its constant's field texts
+    lines: tuple[str, ...] = ()
+
+
+# instructions whose handlers change the writer's state beyond the lines they add
+_STATEFUL = frozenset({"param", "recompute", "end_recompute"})
+
+
+class _Emitter(Handler):
+    """The code-writing handlers of the one walk. ``like``: what the walk of a program of the
+    same class wrote, instruction by instruction (``_Done``): taken for every instruction that
+    is the same object at the same place, and field by field for the others."""
+
+    def __init__(self, m: Materialized, program: Program,
+                 like: list[_Done] | None = None) -> None:
         self.m, self.program = m, program
         self.graph = m.transformed.graph
         shared = context_of(m)  # made once per plan, not once per rank
@@ -97,10 +119,36 @@ class _Emitter(Handler):
         self.depth = 1
         self.regions: list[tuple[str, str]] = []
         self._wheres: dict[tuple, tuple[str, tuple[Span, ...]]] = {}
+        self.like = like
+        self.done: list[_Done] = []
+        self.lines: list[str | None] = []  # the finished line of each statement, where known
+        self._hit: _Done | None = None
+        self._fields: tuple[str | None, ...] | None = None
+
+    def visit(self, ins: Any) -> None:
+        i, n, depth, s = len(self.done), len(self.consts), self.depth, len(self.stmts)
+        like = self.like
+        hit = self._hit = like[i] if like is not None and i < len(like) else None
+        self._fields = None
+        if hit is not None and hit.ins is ins and hit.n_consts == n and hit.depth == depth \
+                and ins.kind not in _STATEFUL:
+            self.stmts += hit.stmts
+            self.consts += hit.consts
+            self.lines += hit.lines
+            self._fields = hit.fields
+        else:
+            super().visit(ins)
+            self.lines += [None] * (len(self.stmts) - s)
+        self.done.append(_Done(ins, n, depth, tuple(self.stmts[s:]), tuple(self.consts[n:]),
+                               self._fields))
 
     def _const(self, ins: Any) -> str:
         name = f"I{len(self.consts)}"
-        self.consts.append(f"{name} = {instruction_text(ins, without_span=True)}")
+        hit = self._hit
+        texts = field_texts(ins, without_span=True, like=(hit.ins, hit.fields)
+                            if hit is not None and hit.fields is not None else None)
+        self._fields = texts
+        self.consts.append(f"{name} = {text_of_fields(ins, texts)}")
         return name
 
     def _hand(self, ins: Any, note: str, *extra: Span | None) -> None:
@@ -309,11 +357,30 @@ def generate_rank(m: Materialized, rank: int, prov: Provenance,
                   program: Program | None = None) -> str:
     """The Python module of ``rank``: header, shard table, cited plan lines, instruction
     constants, ``train_step``."""
-    e = _Emitter(m, program if program is not None else lower_rank(m, rank))
+    program = program if program is not None else lower_rank(m, rank)
+    done = _renderings(m)
+    rep = classes_of(m).rep_of.get(rank, rank)
+    e = _Emitter(m, program, done.get(rep))
     for _ in walk(e.program, e):
         raise AssertionError("the code writer never waits")
     body = _body(e)
+    if rep not in done:
+        k = 0
+        for d in e.done:
+            d.lines = tuple(e.lines[k:k + len(d.stmts)])
+            k += len(d.stmts)
+        done[rep] = e.done
     return _header(rank, prov, body) + body
+
+
+_RENDERED: list[tuple[Materialized, dict[int, list[_Done]]]] = []
+
+
+def _renderings(m: Materialized) -> dict[int, list[_Done]]:
+    """What was written for the first rank of each class of ``m`` (the plan written last)."""
+    if not (_RENDERED and _RENDERED[0][0] is m):
+        _RENDERED[:] = [(m, {})]
+    return _RENDERED[0][1]
 
 
 def generate_all(m: Materialized, prov: Provenance) -> dict[str, str]:
@@ -360,7 +427,11 @@ def _body(e: _Emitter) -> str:
     lines += ["", "# The program's instructions that the runtime runs as they are."]
     lines += e.consts
     lines += ["", "", "def train_step(rt, v):"]
-    lines += ["    " * s.depth + _line(s) for s in e.stmts]
+    made = e.lines
+    for k, s in enumerate(e.stmts):
+        if made[k] is None:
+            made[k] = "    " * s.depth + _line(s)
+    lines += made
     lines += [""]
     return "\n" + "\n".join(lines)
 

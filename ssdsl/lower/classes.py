@@ -218,6 +218,7 @@ class ClassLowering:
         self.ctx = ctx
         self.index = RankIndex.of(ctx)
         self.reps: dict[tuple, Representative] = {}
+        self.rep_of: dict[int, int] = {}  # rank -> its representative, once asked
 
     def program(self, rank: int) -> Program:
         """The program of ``rank``: lowered if it is the first of its class, else stamped."""
@@ -226,15 +227,11 @@ class ClassLowering:
         key = rank_key(self.ctx, self.index, rank, views)
         rep = self.reps.get(key)
         if rep is not None:
+            self.rep_of[rank] = rep.rank
             return stamp_program(self.ctx, self.index, rep, rank, views)
+        self.rep_of[rank] = rank
         lowering = _RankLowering(self.ctx, rank)
         program = lowering.program()
         self.reps[key] = Representative(rank, program, lowering.sites,
                                         tuple(self.index.buckets_on.get(rank, ())))
         return program
-
-    def representative(self, rank: int) -> int:
-        """The rank whose lowering ``rank``'s program was stamped from (itself when it is
-        the first of its class), once ``program(rank)`` was asked."""
-        key = rank_key(self.ctx, self.index, rank, {})
-        return self.reps[key].rank

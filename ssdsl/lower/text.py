@@ -52,6 +52,37 @@ def _fields(obj: Any, skip: str | None = None) -> str:
     return _renderer(type(obj), skip)(obj)
 
 
+def field_texts(ins: Any, *, without_span: bool = False,
+                like: tuple[Any, tuple[str | None, ...]] | None = None
+                ) -> tuple[str | None, ...]:
+    """Each field of ``ins`` as ``instruction_text`` writes it (None: left out), in field
+    order. ``like``: another instruction of the same class and its field texts, whose text is
+    taken for every field that holds the very same object (a program stamped from another
+    shares most of its values with it)."""
+    cls = type(ins)
+    out: list[str | None] = []
+    base, texts = like if like is not None and type(like[0]) is cls else (None, None)
+    for i, (name, default) in enumerate(_named_defaults(cls, "span" if without_span else None)):
+        v = getattr(ins, name)
+        if base is not None and getattr(base, name) is v:
+            out.append(texts[i])
+        elif default is not attrs.NOTHING and type(v) is type(default) and v == default:
+            out.append(None)
+        else:
+            out.append(f"{name}={_lit(v)}")
+    return tuple(out)
+
+
+def text_of_fields(ins: Any, texts: tuple[str | None, ...]) -> str:
+    """The line ``instruction_text`` writes, from ``field_texts``."""
+    return f"{ins.kind}({', '.join(t for t in texts if t is not None)})"
+
+
+@functools.cache
+def _named_defaults(cls: type, skip: str | None) -> tuple[tuple[str, Any], ...]:
+    return tuple((n, d) for n, d in _defaults(cls) if n != skip)
+
+
 @functools.cache
 def _renderer(cls: type, skip: str | None) -> Any:
     """``cls``'s fields as text, written out once per class: each field (``skip`` left out),
