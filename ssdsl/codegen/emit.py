@@ -28,7 +28,7 @@ from ssdsl.errors import SsdslError
 from ssdsl.gcpause import gc_paused
 from ssdsl.lower import Handler, Program, lower_rank, walk
 from ssdsl.lower.build import classes_of, context_of
-from ssdsl.lower.instr import Coll, P2P
+from ssdsl.lower.instr import Call, Coll, P2P
 from ssdsl.lower.text import field_texts, text_of_fields
 from ssdsl.materialize.program import Materialized
 from ssdsl.source import Span, source_text
@@ -95,8 +95,9 @@ class _Done:
     lines: tuple[str, ...] = ()
 
 
-# instructions whose handlers change the writer's state beyond the lines they add
-_STATEFUL = frozenset({"param", "recompute", "end_recompute"})
+# instructions whose handlers change the writer's state beyond the lines they add (a shard
+# table entry: ``param``, replayed when its lines are taken)
+_STATEFUL = frozenset({"recompute", "end_recompute"})
 
 
 class _Emitter(Handler):
@@ -105,7 +106,7 @@ class _Emitter(Handler):
     is the same object at the same place, and field by field for the others."""
 
     def __init__(self, m: Materialized, program: Program,
-                 like: list[_Done] | None = None) -> None:
+                 like: list[_Done] | None = None, *, notes: dict[int, tuple]) -> None:
         self.m, self.program = m, program
         self.graph = m.transformed.graph
         shared = context_of(m)  # made once per plan, not once per rank
@@ -120,13 +121,18 @@ class _Emitter(Handler):
         self.regions: list[tuple[str, str]] = []
         self._wheres: dict[tuple, tuple[str, tuple[Span, ...]]] = {}
         self.like = like
+        self.record = like is None  # what this walk writes serves the rest of the class
         self.done: list[_Done] = []
         self.lines: list[str | None] = []  # the finished line of each statement, where known
         self._hit: _Done | None = None
         self._fields: tuple[str | None, ...] | None = None
+        self._i = 0
+        self._parts = notes
 
     def visit(self, ins: Any) -> None:
-        i, n, depth, s = len(self.done), len(self.consts), self.depth, len(self.stmts)
+        i = self._i
+        self._i = i + 1
+        n, depth, s = len(self.consts), self.depth, len(self.stmts)
         like = self.like
         hit = self._hit = like[i] if like is not None and i < len(like) else None
         self._fields = None
@@ -135,12 +141,14 @@ class _Emitter(Handler):
             self.stmts += hit.stmts
             self.consts += hit.consts
             self.lines += hit.lines
-            self._fields = hit.fields
-        else:
-            super().visit(ins)
-            self.lines += [None] * (len(self.stmts) - s)
-        self.done.append(_Done(ins, n, depth, tuple(self.stmts[s:]), tuple(self.consts[n:]),
-                               self._fields))
+            if ins.kind == "param":
+                self._shard(ins)
+            return
+        getattr(self, "on_" + ins.kind)(ins)
+        self.lines += [None] * (len(self.stmts) - len(self.lines))
+        if self.record:
+            self.done.append(_Done(ins, n, depth, tuple(self.stmts[s:]),
+                                   tuple(self.consts[n:]), self._fields))
 
     def _const(self, ins: Any) -> str:
         name = f"I{len(self.consts)}"
@@ -166,19 +174,38 @@ class _Emitter(Handler):
         self._hand(ins, f"{ins.out} = batch[{ins.index}] {region_text(ins.region)}")
 
     def on_param(self, ins) -> None:
+        _, qual, region = self._shard(ins)
+        scale = f" x{ins.scale:g}" if ins.scale != 1.0 else ""
+        self._hand(ins, f"{ins.out} = shard of {qual} {region}{scale}")
+
+    def _shard(self, ins) -> tuple[str, str, str]:
+        """Enter the shard ``ins`` takes into the shard table (once)."""
         qual = self.graph.params.get(ins.tensor, ins.tensor)
         entry = (ins.tensor, qual, region_text(ins.region))
         if entry not in self._shard_set:
             self._shard_set.add(entry)
             self.shards.append(entry)
-        scale = f" x{ins.scale:g}" if ins.scale != 1.0 else ""
-        self._hand(ins, f"{ins.out} = shard of {qual} {entry[2]}{scale}")
+        return entry
 
     def on_buffer(self, ins) -> None:
         qual = self.graph.buffers.get(ins.tensor, "constant")
         self._hand(ins, f"{ins.out} = {qual} {region_text(ins.region)}")
 
     def on_call(self, ins) -> None:
+        where, spans, note = self._where(ins)
+        hit = self._hit
+        if hit is not None and hit.stmts and type(hit.ins) is Call and hit.ins.ins is ins.ins \
+                and hit.ins.outs is ins.outs and hit.ins.loss == ins.loss \
+                and hit.ins.count == ins.count and hit.ins.listy == ins.listy \
+                and (hit.ins.call is ins.call or _call_pieces(hit.ins.call, ins.listy)
+                     == _call_pieces(ins.call, ins.listy)):
+            # the same call on the same values (a part of another index): the same code
+            code = hit.stmts[0].code
+            self.stmts.append(Stmt(code, where, spans, self.depth))
+            self.lines.append(f"{'    ' * self.depth}{code}  # {note}")
+            if ins.loss:
+                self.stmts.append(Stmt(hit.stmts[1].code, "a loss part", spans, self.depth))
+            return
         lc = ins.call
         pieces = _call_pieces(lc, ins.listy)  # one per call object: every micro-batch shares it
         rhs = "".join(x if type(x) is str else f"v[{ins.ins[x]!r}]" for x in pieces)
@@ -187,24 +214,29 @@ class _Emitter(Handler):
             lhs = ", ".join(outs) + ("," if len(outs) == 1 else "")
         else:
             lhs = outs[0]
-        where, spans = self._where(ins)
         self.stmts.append(Stmt(f"{lhs} = {rhs}", where, spans, self.depth))
         if ins.loss:
             self.stmts.append(Stmt(f"rt.loss({outs[0]}, {ins.count!r})", "a loss part", spans,
                                    self.depth))
 
-    def _where(self, ins) -> tuple[str, tuple[Span, ...]]:
-        """The note and plan lines of a call of part ``ins.part`` of ``ins.op`` (asked again by
-        every micro-batch: found once per rank)."""
+    def _where(self, ins) -> tuple[str, tuple[Span, ...], str]:
+        """The note and plan lines of a call of part ``ins.part`` of ``ins.op``, and the
+        comment they make (asked again by every micro-batch: found once per rank)."""
         key = (ins.op, ins.part, ins.span)
         found = self._wheres.get(key)
         if found is None:
-            op = self.graph.op(ins.op)
             part = next((p for p in self.placed.get((ins.op, self.program.rank), ())
                          if p.index == ins.part), None)
-            where = f"{op.module or '(top)'} part {_index(part) if part else ins.part}"
-            spans = _spans(part.span, part.assigned_at) if part else _spans(ins.span)
-            found = self._wheres[key] = (where, spans)
+            found = self._parts.get(id(part)) if part is not None else None
+            if found is None or found[0] is not part:
+                op = self.graph.op(ins.op)
+                where = f"{op.module or '(top)'} part {_index(part) if part else ins.part}"
+                spans = _spans(part.span, part.assigned_at) if part else _spans(ins.span)
+                cites = _cites(spans)
+                found = (part, where, spans, f"{where}; {cites}" if cites else where)
+                if part is not None:  # a part's note is the same on every rank
+                    self._parts[id(part)] = found
+            found = self._wheres[key] = found[1:]
         return found
 
     def on_cut(self, ins) -> None:
@@ -354,13 +386,17 @@ def _spans(*spans: Span | None) -> tuple[Span, ...]:
 
 @gc_paused()
 def generate_rank(m: Materialized, rank: int, prov: Provenance,
-                  program: Program | None = None) -> str:
+                  program: Program | None = None, *, reuse: bool = True) -> str:
     """The Python module of ``rank``: header, shard table, cited plan lines, instruction
-    constants, ``train_step``."""
-    program = program if program is not None else lower_rank(m, rank)
-    done = _renderings(m)
-    rep = classes_of(m).rep_of.get(rank, rank)
-    e = _Emitter(m, program, done.get(rep))
+    constants, ``train_step``.
+
+    With ``reuse`` (the default), what was written for the first rank of the same class
+    (``ssdsl.lower.classes``) is taken for every instruction object the two programs share;
+    without, everything is written afresh (the same text)."""
+    program = program if program is not None else lower_rank(m, rank, direct=not reuse)
+    done = _renderings(m) if reuse else {}
+    rep = classes_of(m).rep_of.get(rank, rank) if reuse else rank
+    e = _Emitter(m, program, done.get(rep), notes=_part_notes(m) if reuse else {})
     for _ in walk(e.program, e):
         raise AssertionError("the code writer never waits")
     body = _body(e)
@@ -374,6 +410,14 @@ def generate_rank(m: Materialized, rank: int, prov: Provenance,
 
 
 _RENDERED: list[tuple[Materialized, dict[int, list[_Done]]]] = []
+_PART_NOTES: list[tuple[Materialized, dict[int, tuple]]] = []
+
+
+def _part_notes(m: Materialized) -> dict[int, tuple]:
+    """id(part) -> (part, note, plan lines, comment) of ``m``'s parts, once asked."""
+    if not (_PART_NOTES and _PART_NOTES[0][0] is m):
+        _PART_NOTES[:] = [(m, {})]
+    return _PART_NOTES[0][1]
 
 
 def _renderings(m: Materialized) -> dict[int, list[_Done]]:

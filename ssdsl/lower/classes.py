@@ -35,7 +35,7 @@ from typing import Any
 
 import attrs
 
-from ssdsl.lower.instr import GatherBucket, Program, ReduceBucket
+from ssdsl.lower.instr import Call, Comm, GatherBucket, LocalAdapter, Program, ReduceBucket
 from ssdsl.lower.build import _Context, _has_grad, _passthrough, rank_view, stamp
 
 # -- the class key -------------------------------------------------------------------------------
@@ -173,39 +173,44 @@ def stamp_program(ctx: _Context, index: RankIndex, rep: Representative, rank: in
     placed, sources, stride = ctx.placed, m.sources, ctx.stride
     buckets = m.reducer.buckets
     out: list[Any] = []
+    # the instructions are remade by their constructors, not ``attrs.evolve`` (a 1,024-rank
+    # plan stamps millions); the tests compare every field with the direct lowering
     for ins in rep.program.instructions:
         site = rep.sites.get(id(ins))
-        cls = type(ins)
         if site is not None:
             kind = site[0]
-            if kind == "comm":
+            if kind == "call":
+                part = placed[(ins.op, rank)][site[1]]
+                if part.index != ins.part or part.sub.local is not ins.call:
+                    ins = Call(ins.op, part.index, ins.outs, ins.ins, part.sub.local, ins.listy,
+                               ins.loss, ins.count, span=ins.span)
+            elif kind == "comm":
                 steps = stamp(views[id(site[1])], site[2], stride)
                 if steps != ins.steps:
-                    ins = attrs.evolve(ins, steps=steps)
-            elif kind == "local":
-                ad = site[1]
-                fwd = stamp(views[id(ad)], site[2], stride)
-                back = stamp(views[id(ad.backward)], site[2] + 1, stride) if _has_grad(ad) \
-                    else ()
-                if fwd != ins.steps or back != ins.back:
-                    ins = attrs.evolve(ins, steps=fwd, back=back)
+                    ins = Comm(ins.edge, ins.mb, ins.backward, ins.ins, ins.outs, ins.shapes,
+                               ins.dtype, steps, ins.grad, span=ins.span)
             elif kind == "take":
                 _, name, op, slot, pos = site
                 part = placed[(op, rank)][pos]
                 region = sources[(name, op, slot, rank, part.index)].region
                 if region != ins.region:
                     ins = attrs.evolve(ins, region=region)
-            elif kind == "call":
-                part = placed[(ins.op, rank)][site[1]]
-                if part.index != ins.part or part.sub.local is not ins.call:
-                    ins = attrs.evolve(ins, part=part.index, call=part.sub.local)
-        elif (cls is ReduceBucket or cls is GatherBucket) and bucket_of.get(ins.bucket,
-                                                                           ins.bucket) != ins.bucket:
+            elif kind == "local":
+                ad = site[1]
+                fwd = stamp(views[id(ad)], site[2], stride)
+                back = stamp(views[id(ad.backward)], site[2] + 1, stride) if _has_grad(ad) \
+                    else ()
+                if fwd != ins.steps or back != ins.back:
+                    ins = LocalAdapter(ins.edge, ins.ins, ins.outs, fwd, back, span=ins.span)
+        elif type(ins) in _BUCKETS and bucket_of.get(ins.bucket, ins.bucket) != ins.bucket:
             b = bucket_of[ins.bucket]
             ins = attrs.evolve(ins, bucket=b, group=tuple(buckets[b].devices),
                                entries=tuple(buckets[b].entries))
         out.append(ins)
     return Program(rank, rep.program.world, tuple(out))
+
+
+_BUCKETS = (ReduceBucket, GatherBucket)
 
 
 # -- the driver ----------------------------------------------------------------------------------
