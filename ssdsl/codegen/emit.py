@@ -128,6 +128,7 @@ class _Emitter(Handler):
         self._fields: tuple[str | None, ...] | None = None
         self._i = 0
         self._parts = notes
+        self._edge_names: dict[int, str] = {}
 
     def visit(self, ins: Any) -> None:
         i = self._i
@@ -222,22 +223,23 @@ class _Emitter(Handler):
     def _where(self, ins) -> tuple[str, tuple[Span, ...], str]:
         """The note and plan lines of a call of part ``ins.part`` of ``ins.op``, and the
         comment they make (asked again by every micro-batch: found once per rank)."""
-        key = (ins.op, ins.part, ins.span)
+        key = (ins.op, ins.part)  # a part's calls share one span object
         found = self._wheres.get(key)
-        if found is None:
-            part = next((p for p in self.placed.get((ins.op, self.program.rank), ())
-                         if p.index == ins.part), None)
-            found = self._parts.get(id(part)) if part is not None else None
-            if found is None or found[0] is not part:
-                op = self.graph.op(ins.op)
-                where = f"{op.module or '(top)'} part {_index(part) if part else ins.part}"
-                spans = _spans(part.span, part.assigned_at) if part else _spans(ins.span)
-                cites = _cites(spans)
-                found = (part, where, spans, f"{where}; {cites}" if cites else where)
-                if part is not None:  # a part's note is the same on every rank
-                    self._parts[id(part)] = found
-            found = self._wheres[key] = found[1:]
-        return found
+        if found is not None and found[0] is ins.span:
+            return found[1]
+        part = next((p for p in self.placed.get((ins.op, self.program.rank), ())
+                     if p.index == ins.part), None)
+        found = self._parts.get(id(part)) if part is not None else None
+        if found is None or found[0] is not part:
+            op = self.graph.op(ins.op)
+            where = f"{op.module or '(top)'} part {_index(part) if part else ins.part}"
+            spans = _spans(part.span, part.assigned_at) if part else _spans(ins.span)
+            cites = _cites(spans)
+            found = (part, where, spans, f"{where}; {cites}" if cites else where)
+            if part is not None:  # a part's note is the same on every rank
+                self._parts[id(part)] = found
+        self._wheres[key] = (ins.span, found[1:])
+        return found[1:]
 
     def on_cut(self, ins) -> None:
         self._hand(ins, f"{ins.out} = {ins.src} cut from its segment")
@@ -254,8 +256,11 @@ class _Emitter(Handler):
         self._hand(ins, f"{self._edge(ins.edge)} mb {ins.mb} {way}: {_steps_text(ins.steps)}")
 
     def _edge(self, i: int) -> str:
-        tensor, op, slot = self.edges[i]
-        return f"{tensor} -> {op}[{slot}]"
+        found = self._edge_names.get(i)
+        if found is None:
+            tensor, op, slot = self.edges[i]
+            found = self._edge_names[i] = f"{tensor} -> {op}[{slot}]"
+        return found
 
     def on_backward(self, ins) -> None:
         self._hand(ins, f"backward of a segment from {len(ins.seeds)} loss part(s) and "

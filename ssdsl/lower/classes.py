@@ -173,6 +173,7 @@ def stamp_program(ctx: _Context, index: RankIndex, rep: Representative, rank: in
     placed, sources, stride = ctx.placed, m.sources, ctx.stride
     buckets = m.reducer.buckets
     out: list[Any] = []
+    helds: dict[str, tuple[Any, ...]] = {}  # op -> the rank's parts of it
     # the instructions are remade by their constructors, not ``attrs.evolve`` (a 1,024-rank
     # plan stamps millions); the tests compare every field with the direct lowering
     for ins in rep.program.instructions:
@@ -180,7 +181,10 @@ def stamp_program(ctx: _Context, index: RankIndex, rep: Representative, rank: in
         if site is not None:
             kind = site[0]
             if kind == "call":
-                part = placed[(ins.op, rank)][site[1]]
+                held = helds.get(ins.op)
+                if held is None:
+                    held = helds[ins.op] = placed[(ins.op, rank)]
+                part = held[site[1]]
                 if part.index != ins.part or part.sub.local is not ins.call:
                     ins = Call(ins.op, part.index, ins.outs, ins.ins, part.sub.local, ins.listy,
                                ins.loss, ins.count, span=ins.span)

@@ -59,18 +59,32 @@ def field_texts(ins: Any, *, without_span: bool = False,
     order. ``like``: another instruction of the same class and its field texts, whose text is
     taken for every field that holds the very same object (a program stamped from another
     shares most of its values with it)."""
-    cls = type(ins)
-    out: list[str | None] = []
-    base, texts = like if like is not None and type(like[0]) is cls else (None, None)
-    for i, (name, default) in enumerate(_named_defaults(cls, "span" if without_span else None)):
-        v = getattr(ins, name)
-        if base is not None and getattr(base, name) is v:
-            out.append(texts[i])
-        elif default is not attrs.NOTHING and type(v) is type(default) and v == default:
-            out.append(None)
+    skip = "span" if without_span else None
+    if like is not None and type(like[0]) is type(ins):
+        return _like_renderer(type(ins), skip)(ins, like[0], like[1])
+    return _like_renderer(type(ins), skip)(ins, None, None)
+
+
+@functools.cache
+def _like_renderer(cls: type, skip: str | None) -> Any:
+    """``field_texts`` of ``cls``, written out once per class (as ``_renderer``)."""
+    env: dict[str, Any] = {"_lit": _lit}
+    names = _named_defaults(cls, skip)
+    lines = ["def render(obj, base, texts):", "    out = []"]
+    for i, (name, default) in enumerate(names):
+        lines.append(f"    v = obj.{name}")
+        lines.append(f"    if base is not None and base.{name} is v:")
+        lines.append(f"        out.append(texts[{i}])")
+        put = f"out.append({name + '='!r} + _lit(v))"
+        if default is attrs.NOTHING:
+            lines.append(f"    else:\n        {put}")
         else:
-            out.append(f"{name}={_lit(v)}")
-    return tuple(out)
+            env[f"d{i}"], env[f"t{i}"] = default, type(default)
+            lines.append(f"    elif type(v) is t{i} and v == d{i}:\n        out.append(None)")
+            lines.append(f"    else:\n        {put}")
+    lines.append("    return tuple(out)")
+    exec("\n".join(lines), env)  # noqa: S102 - text made here from the class's field names
+    return env["render"]
 
 
 def text_of_fields(ins: Any, texts: tuple[str | None, ...]) -> str:
@@ -174,10 +188,26 @@ def _tuple_lit(v: tuple) -> str:
     return f"({inner},)" if len(v) == 1 else f"({inner})"
 
 
+# A collective's fields are a kind, ints and a tuple of ints: equal values, equal text, so
+# cached by value (the members of a group share each text; a stamped program makes its own
+# objects). One of other types (``True == 1``) goes by identity, as calls do.
+def _coll_lit(v: Coll) -> str:
+    if type(v.kind) is str and type(v.group) is tuple and type(v.dim) is int \
+            and type(v.cat_dim) is int and type(v.split_dim) is int \
+            and all(type(x) is int for x in v.group):
+        return _plain_coll_lit(v)
+    return _object_lit(v)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _plain_coll_lit(v: Coll) -> str:
+    return f"Coll({_fields(v)})"
+
+
 # Exact types whose text ``_lit`` gives without further tests (a subclass goes the long way).
 _PLAIN: dict[type, Any] = {str: repr, int: repr, bool: repr, type(None): repr,
                            tuple: _tuple_lit, Region: _region_lit, Span: _span_lit,
-                           LocalCall: _object_lit, Coll: _object_lit, P2P: _object_lit,
+                           LocalCall: _object_lit, Coll: _coll_lit, P2P: _object_lit,
                            Msg: _object_lit}
 
 
