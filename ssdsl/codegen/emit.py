@@ -201,8 +201,12 @@ class _Emitter(Handler):
                 and (hit.ins.call is ins.call or _call_pieces(hit.ins.call, ins.listy)
                      == _call_pieces(ins.call, ins.listy)):
             # the same call on the same values (a part of another index): the same code
-            code = hit.stmts[0].code
-            self.stmts.append(Stmt(code, where, spans, self.depth))
+            first = hit.stmts[0]
+            code = first.code
+            # the statement serves the legend (its plan lines) and its line is written here:
+            # the first module's statement does when the plan lines are the same
+            self.stmts.append(first if first.cites == spans and first.depth == self.depth
+                              else Stmt(code, where, spans, self.depth))
             self.lines.append(f"{'    ' * self.depth}{code}  # {note}")
             if ins.loss:
                 self.stmts.append(Stmt(hit.stmts[1].code, "a loss part", spans, self.depth))
@@ -498,8 +502,9 @@ def _cites(spans: tuple[Span, ...]) -> str:  # equal spans have equal positions:
 
 def _legend(stmts: Sequence[Stmt]) -> list[str]:
     seen: dict[str, Span] = {}
-    for s in stmts:
-        for c in s.cites:
+    distinct = {id(s.cites): s.cites for s in stmts}  # statements share their spans' tuples
+    for cites in distinct.values():
+        for c in cites:
             seen.setdefault(cite(c), c)
     if not seen:
         return []

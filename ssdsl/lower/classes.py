@@ -35,7 +35,8 @@ from typing import Any
 
 import attrs
 
-from ssdsl.lower.instr import Call, Comm, GatherBucket, LocalAdapter, Program, ReduceBucket
+from ssdsl.lower.instr import (Call, Comm, GatherBucket, LocalAdapter, Program, ReduceBucket,
+                               TakeBuffer, TakeInput, TakeParam)
 from ssdsl.lower.build import _Context, _has_grad, _passthrough, rank_view, stamp
 
 # -- the class key -------------------------------------------------------------------------------
@@ -198,7 +199,7 @@ def stamp_program(ctx: _Context, index: RankIndex, rep: Representative, rank: in
                 part = placed[(op, rank)][pos]
                 region = sources[(name, op, slot, rank, part.index)].region
                 if region != ins.region:
-                    ins = attrs.evolve(ins, region=region)
+                    ins = _retake(ins, region)
             elif kind == "local":
                 ad = site[1]
                 fwd = stamp(views[id(ad)], site[2], stride)
@@ -215,6 +216,18 @@ def stamp_program(ctx: _Context, index: RankIndex, rep: Representative, rank: in
 
 
 _BUCKETS = (ReduceBucket, GatherBucket)
+
+
+def _retake(ins: Any, region: Any) -> Any:
+    """Take ``ins`` with ``region`` instead."""
+    cls = type(ins)
+    if cls is TakeParam:
+        return TakeParam(ins.out, ins.tensor, region, ins.scale, span=ins.span)
+    if cls is TakeInput:
+        return TakeInput(ins.out, ins.index, ins.box, region, span=ins.span)
+    if cls is TakeBuffer:
+        return TakeBuffer(ins.out, ins.tensor, region, span=ins.span)
+    return attrs.evolve(ins, region=region)
 
 
 # -- the driver ----------------------------------------------------------------------------------

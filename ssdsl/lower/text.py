@@ -128,8 +128,22 @@ def _defaults(cls: type) -> tuple[tuple[str, Any], ...]:
 # Regions and spans recur across the instructions of every rank (a 1,024-rank plan writes
 # millions of them); their fields are ints and strings, so equal values have equal text and
 # caching by value is exact (not so for calls: ``1 == 1.0 == True`` would share a text).
-@functools.lru_cache(maxsize=1 << 16)
+_REGION_BY_ID: dict[int, tuple[Region, str]] = {}  # the few region objects, asked again and again
+
+
 def _region_lit(v: Region) -> str:
+    hit = _REGION_BY_ID.get(id(v))
+    if hit is not None and hit[0] is v:
+        return hit[1]
+    if len(_REGION_BY_ID) >= 1 << 16:
+        _REGION_BY_ID.clear()
+    text = _region_value_lit(v)
+    _REGION_BY_ID[id(v)] = (v, text)
+    return text
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _region_value_lit(v: Region) -> str:
     return f"R({_lit(v.shape)}, {_lit(v.intervals)}, {_lit(v.part)})"
 
 
