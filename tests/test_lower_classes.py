@@ -18,7 +18,7 @@ from ssdsl.check import check_programs
 from ssdsl.codegen import Provenance, generate_rank
 from ssdsl.elaborate import elaborate_file
 from ssdsl.lower import lower_plan, lower_rank, program_text
-from ssdsl.lower.build import classes_of
+from ssdsl.lower.build import _passthrough, classes_of, rank_view
 from ssdsl.lower.instr import Comm, Msg, P2P
 from ssdsl.lower.walk import ProgramError
 from ssdsl.materialize.program import materialize
@@ -85,6 +85,22 @@ def test_stamped_programs_are_the_direct_lowering(case):
         assert program_text(stamped[r]) == program_text(direct)
         assert generate_rank(m, r, prov, stamped[r]) == generate_rank(m, r, prov, direct,
                                                                       reuse=False)
+
+
+@pytest.mark.parametrize("case", ["dp_tp_1f1b", "coshard", "zero3", "megatron_sp"])
+def test_indexed_adapter_views_are_rank_views(case):
+    """Each rank's share of each adapter, as the class key reads it (indexed by device), is
+    what the lowering's ``rank_view`` scans the whole adapter for."""
+    _, m = _plan(case)
+    index = classes_of(m).index
+    for edge in m.edges.values():
+        for ad in (edge.adapter, edge.adapter.backward):
+            if ad is None:
+                continue
+            at = index.adapter(ad)
+            for r in range(m.transformed.world):
+                assert at.view(r) == rank_view(ad, r)
+                assert at.passthrough(r) == _passthrough(ad, r)
 
 
 def test_a_stamped_rank_that_is_broken_is_still_caught():

@@ -37,7 +37,8 @@ import attrs
 
 from ssdsl.lower.instr import (Call, Comm, GatherBucket, LocalAdapter, Program, ReduceBucket,
                                TakeBuffer, TakeInput, TakeParam)
-from ssdsl.lower.build import _Context, _has_grad, _passthrough, rank_view, stamp
+from ssdsl.lower.build import _Context, _has_grad, _local_coll, stamp
+from ssdsl.materialize.steps import PointToPoint
 
 # -- the class key -------------------------------------------------------------------------------
 
@@ -52,6 +53,14 @@ class RankIndex:
     unit_group: dict[int, int]                              # rank -> its schedule program
     bucket_facts: tuple[tuple, ...]                         # per bucket: what the key compares
     sources: frozenset[tuple[str, str, int]]                # (tensor, op, slot) of source uses
+    adapters: dict[int, tuple[Any, AdapterIndex]] = attrs.Factory(dict)  # id -> (it, index)
+
+    def adapter(self, ad: Any) -> AdapterIndex:
+        """``ad``'s steps indexed by device (made once per adapter)."""
+        found = self.adapters.get(id(ad))
+        if found is None or found[0] is not ad:
+            found = self.adapters[id(ad)] = (ad, AdapterIndex.of(ad))
+        return found[1]
 
     @classmethod
     def of(cls, ctx: _Context) -> RankIndex:
@@ -89,6 +98,76 @@ class RankIndex:
         return cls(ops_on, edges_on, buckets_on, groups, facts, sources)
 
 
+@attrs.define
+class AdapterIndex:
+    """An adapter's placements and steps indexed by device, so that each rank's share of it
+    (``view``: what ``ssdsl.lower.build.rank_view`` gives) costs what the rank does, not what
+    every rank does (a 4,096-rank adapter's steps list every rank's messages)."""
+
+    producers: dict[int, tuple[Any, ...]]
+    consumers: dict[int, tuple[Any, ...]]
+    steps: tuple[tuple, ...]  # per step: ("coll", member -> Coll) or ("p2p", end, by device)
+    still: bool  # no steps in either direction
+
+    @classmethod
+    def of(cls, ad: Any) -> AdapterIndex:
+        steps: list[tuple] = []
+        n = 0
+        for step in ad.steps:
+            if isinstance(step, PointToPoint):
+                by: dict[int, tuple[list, list, list]] = {}
+                for d, r in step.sources:
+                    by.setdefault(d, ([], [], []))[0].append(r)
+                for d, r in step.targets:
+                    by.setdefault(d, ([], [], []))[1].append(r)
+                for i, msg in enumerate(step.messages, n):
+                    if msg.src == msg.dst:
+                        entry = (i, "copy", msg.src, msg.src_slot, msg.dst_slot, msg.region)
+                        by.setdefault(msg.src, ([], [], []))[2].append(entry)
+                        continue
+                    by.setdefault(msg.src, ([], [], []))[2].append(
+                        (i, "send", msg.dst, msg.src_slot, msg.dst_slot, msg.region))
+                    by.setdefault(msg.dst, ([], [], []))[2].append(
+                        (i, "recv", msg.src, msg.src_slot, msg.dst_slot, msg.region))
+                n += len(step.messages)
+                steps.append(("p2p", n, {d: (tuple(a), tuple(b), tuple(c))
+                                         for d, (a, b, c) in by.items()}))
+            else:
+                member: dict[int, Any] = {}
+                for g in step.groups:  # a rank's group is the first that holds it
+                    coll = _local_coll(step, g)
+                    for d in g:
+                        member.setdefault(d, coll)
+                steps.append(("coll", member))
+        producers: dict[int, list] = {}
+        consumers: dict[int, list] = {}
+        for d, r in ad.producers:
+            producers.setdefault(d, []).append(r)
+        for d, r in ad.consumers:
+            consumers.setdefault(d, []).append(r)
+        still = not ad.steps and not (ad.backward is not None and ad.backward.steps)
+        return cls({d: tuple(v) for d, v in producers.items()},
+                   {d: tuple(v) for d, v in consumers.items()}, tuple(steps), still)
+
+    def view(self, rank: int) -> tuple[Any, ...]:
+        """``rank_view(adapter, rank)``."""
+        out: list[Any] = []
+        for step in self.steps:
+            if step[0] == "p2p":
+                mine = step[2].get(rank)
+                out.append((step[1], *mine) if mine is not None else (step[1], (), (), ()))
+            else:
+                coll = step[1].get(rank)
+                if coll is not None:
+                    out.append(coll)
+        return tuple(out)
+
+    def passthrough(self, rank: int) -> bool:
+        """``ssdsl.lower.build._passthrough(adapter, rank)``."""
+        mine = self.producers.get(rank, ())
+        return self.still and len(mine) >= 1 and mine == self.consumers.get(rank, ())
+
+
 def rank_key(ctx: _Context, index: RankIndex, rank: int, views: dict[int, Any]) -> tuple:
     """Everything the lowering of ``rank`` reads about it, stamped fields left out (module
     docstring). ``views`` receives the rank's share of each adapter (``id`` -> view), for
@@ -123,13 +202,14 @@ def rank_key(ctx: _Context, index: RankIndex, rank: int, views: dict[int, Any]) 
     for eid in index.edges_on.get(rank, ()):
         k = ctx.edge_keys[eid]
         ad = m.edges[k].adapter
-        fwd = views[id(ad)] = rank_view(ad, rank)
+        at = index.adapter(ad)
+        fwd = views[id(ad)] = at.view(rank)
         back = None
         if ad.backward is not None:
-            back = views[id(ad.backward)] = rank_view(ad.backward, rank)
-        mine = [r for d, r in ad.producers if d == rank]
-        took = [r for d, r in ad.consumers if d == rank]
-        key.append((eid, rank in stage_devices[stage(k[1])], _passthrough(ad, rank),
+            back = views[id(ad.backward)] = index.adapter(ad.backward).view(rank)
+        mine = at.producers.get(rank, ())
+        took = at.consumers.get(rank, ())
+        key.append((eid, rank in stage_devices[stage(k[1])], at.passthrough(rank),
                     len(mine), len(took), tuple(r.local_shape for r in mine),
                     tuple(r.local_shape for r in took), _shape_of(fwd),
                     _shape_of(back) if back is not None else None))
