@@ -8,6 +8,11 @@ Times are wall-clock seconds; ``cpu`` gives the process's CPU seconds of each ph
 machine, what another process's load does not inflate). Codegen writes every rank's file as it is
 made (into ``-o DIR``, or a temporary folder it removes), so the peak memory is the plan's, not the
 files'. It is skipped for plans it refuses and reported as such.
+
+Codegen lowers each rank class once and stamps the other ranks' programs from it
+(``ssdsl.lower.classes``), so ``--ranks N`` (N evenly spaced ranks, mostly the first of their
+class) overestimates the whole world's codegen. ``--check`` also lowers every rank's program
+before codegen and checks them all (``check_programs_s``), as ``ssdsl compile`` does.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=None, metavar="N",
                    help="write the files of N evenly spaced ranks only, and estimate codegen "
                    "for the world from them (codegen_est_s, total_est_s)")
+    p.add_argument("--check", action="store_true",
+                   help="lower and check every rank's program first (as ssdsl compile does)")
     p.add_argument("-o", "--output", default=None, metavar="DIR",
                    help="keep the per-rank files in DIR (default: a temporary folder, removed)")
     a = p.parse_args()
@@ -85,16 +92,27 @@ def main() -> None:
     times["materialize_s"] = time.perf_counter() - t0
     cpu["materialize_s"] = time.process_time() - c0
 
+    programs: dict[int, object] = {}
+    if a.check:
+        from ssdsl.check import check_programs
+        from ssdsl.lower import lower_plan
+        t0, c0 = time.perf_counter(), time.process_time()
+        with paused():
+            programs = dict(enumerate(lower_plan(m).programs))
+            check_programs(tuple(programs.values()), m=m)
+        times["lower_check_programs_s"] = time.perf_counter() - t0
+        cpu["lower_check_programs_s"] = time.process_time() - c0
+
     from ssdsl.codegen import Provenance, generate_rank, write_programs
     t0, c0 = time.perf_counter(), time.process_time()
     codegen = "ok"
     prov = Provenance.of("gpt.py", plan)
-    with tempfile.TemporaryDirectory(prefix="bench_plan.") as tmp:
+    with paused(), tempfile.TemporaryDirectory(prefix="bench_plan.") as tmp:
         out = a.output or tmp
         try:  # each file written as it is made (the folder holds them, not this process)
             ranks = range(0, a.world, max(1, a.world // (a.ranks or a.world)))
-            paths = write_programs(out, {f"rank{r}.py": functools.partial(generate_rank, m, r, prov)
-                                         for r in ranks})
+            paths = write_programs(out, {f"rank{r}.py": functools.partial(
+                generate_rank, m, r, prov, programs.get(r)) for r in ranks})
             size = sum(p.stat().st_size for p in paths) / 2**20
             codegen = (f"{len(paths)} files, {size:.1f} MiB" if len(ranks) == a.world else
                        f"{len(paths)} of {a.world} files, {size:.1f} MiB (all: "

@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
     for p in programs:
         texts[f"rank{p.rank}.py"] = functools.partial(generate_rank, m, p.rank, prov, p)
         texts[f"rank{p.rank}.program"] = functools.partial(_program_file, p)
-    for path in write_programs(args.output, texts):
+    with gc_paused(keep=True):  # the modules' shared lines live to the end as well
+        paths = write_programs(args.output, texts)
+    for path in paths:
         if path.suffix == ".py":
             p = programs[int(path.stem.removeprefix("rank"))]
             kinds = collections.Counter(i.kind for i in p.instructions)

@@ -27,9 +27,9 @@ from ssdsl.codegen.text import literal, region_text
 from ssdsl.errors import SsdslError
 from ssdsl.gcpause import gc_paused
 from ssdsl.lower import Handler, Program, lower_rank, walk
-from ssdsl.lower.build import context_of
-from ssdsl.lower.instr import Coll, P2P
-from ssdsl.lower.text import instruction_text
+from ssdsl.lower.build import classes_of, context_of
+from ssdsl.lower.instr import Call, Coll, P2P
+from ssdsl.lower.text import field_texts, text_of_fields
 from ssdsl.materialize.program import Materialized
 from ssdsl.source import Span, source_text
 
@@ -80,10 +80,33 @@ def _file_name(path: str) -> str:  # a plan has a few files; its citations numbe
     return Path(path).name
 
 
-class _Emitter(Handler):
-    """The code-writing handlers of the one walk."""
+@attrs.define
+class _Done:
+    """What visiting one instruction wrote (to be taken as it is for the very same instruction
+    at the same place of another rank's program: a program stamped from another shares most of
+    its instructions with it, ``ssdsl.lower.classes``)."""
 
-    def __init__(self, m: Materialized, program: Program) -> None:
+    ins: Any
+    n_consts: int  # constants before it
+    depth: int
+    stmts: tuple[Stmt, ...]
+    consts: tuple[str, ...]
+    fields: tuple[str | None, ...] | None  # its constant's field texts
+    lines: tuple[str, ...] = ()
+
+
+# instructions whose handlers change the writer's state beyond the lines they add (a shard
+# table entry: ``param``, replayed when its lines are taken)
+_STATEFUL = frozenset({"recompute", "end_recompute"})
+
+
+class _Emitter(Handler):
+    """The code-writing handlers of the one walk. ``like``: what the walk of a program of the
+    same class wrote, instruction by instruction (``_Done``): taken for every instruction that
+    is the same object at the same place, and field by field for the others."""
+
+    def __init__(self, m: Materialized, program: Program,
+                 like: list[_Done] | None = None, *, notes: dict[int, tuple]) -> None:
         self.m, self.program = m, program
         self.graph = m.transformed.graph
         shared = context_of(m)  # made once per plan, not once per rank
@@ -97,10 +120,44 @@ class _Emitter(Handler):
         self.depth = 1
         self.regions: list[tuple[str, str]] = []
         self._wheres: dict[tuple, tuple[str, tuple[Span, ...]]] = {}
+        self.like = like
+        self.record = like is None  # what this walk writes serves the rest of the class
+        self.done: list[_Done] = []
+        self.lines: list[str | None] = []  # the finished line of each statement, where known
+        self._hit: _Done | None = None
+        self._fields: tuple[str | None, ...] | None = None
+        self._i = 0
+        self._parts = notes
+        self._edge_names: dict[int, str] = {}
+
+    def visit(self, ins: Any) -> None:
+        i = self._i
+        self._i = i + 1
+        n, depth, s = len(self.consts), self.depth, len(self.stmts)
+        like = self.like
+        hit = self._hit = like[i] if like is not None and i < len(like) else None
+        self._fields = None
+        if hit is not None and hit.ins is ins and hit.n_consts == n and hit.depth == depth \
+                and ins.kind not in _STATEFUL:
+            self.stmts += hit.stmts
+            self.consts += hit.consts
+            self.lines += hit.lines
+            if ins.kind == "param":
+                self._shard(ins)
+            return
+        getattr(self, "on_" + ins.kind)(ins)
+        self.lines += [None] * (len(self.stmts) - len(self.lines))
+        if self.record:
+            self.done.append(_Done(ins, n, depth, tuple(self.stmts[s:]),
+                                   tuple(self.consts[n:]), self._fields))
 
     def _const(self, ins: Any) -> str:
         name = f"I{len(self.consts)}"
-        self.consts.append(f"{name} = {instruction_text(ins, without_span=True)}")
+        hit = self._hit
+        texts = field_texts(ins, without_span=True, like=(hit.ins, hit.fields)
+                            if hit is not None and hit.fields is not None else None)
+        self._fields = texts
+        self.consts.append(f"{name} = {text_of_fields(ins, texts)}")
         return name
 
     def _hand(self, ins: Any, note: str, *extra: Span | None) -> None:
@@ -118,19 +175,42 @@ class _Emitter(Handler):
         self._hand(ins, f"{ins.out} = batch[{ins.index}] {region_text(ins.region)}")
 
     def on_param(self, ins) -> None:
+        _, qual, region = self._shard(ins)
+        scale = f" x{ins.scale:g}" if ins.scale != 1.0 else ""
+        self._hand(ins, f"{ins.out} = shard of {qual} {region}{scale}")
+
+    def _shard(self, ins) -> tuple[str, str, str]:
+        """Enter the shard ``ins`` takes into the shard table (once)."""
         qual = self.graph.params.get(ins.tensor, ins.tensor)
         entry = (ins.tensor, qual, region_text(ins.region))
         if entry not in self._shard_set:
             self._shard_set.add(entry)
             self.shards.append(entry)
-        scale = f" x{ins.scale:g}" if ins.scale != 1.0 else ""
-        self._hand(ins, f"{ins.out} = shard of {qual} {entry[2]}{scale}")
+        return entry
 
     def on_buffer(self, ins) -> None:
         qual = self.graph.buffers.get(ins.tensor, "constant")
         self._hand(ins, f"{ins.out} = {qual} {region_text(ins.region)}")
 
     def on_call(self, ins) -> None:
+        where, spans, note = self._where(ins)
+        hit = self._hit
+        if hit is not None and hit.stmts and type(hit.ins) is Call and hit.ins.ins is ins.ins \
+                and hit.ins.outs is ins.outs and hit.ins.loss == ins.loss \
+                and hit.ins.count == ins.count and hit.ins.listy == ins.listy \
+                and (hit.ins.call is ins.call or _call_pieces(hit.ins.call, ins.listy)
+                     == _call_pieces(ins.call, ins.listy)):
+            # the same call on the same values (a part of another index): the same code
+            first = hit.stmts[0]
+            code = first.code
+            # the statement serves the legend (its plan lines) and its line is written here:
+            # the first module's statement does when the plan lines are the same
+            self.stmts.append(first if first.cites == spans and first.depth == self.depth
+                              else Stmt(code, where, spans, self.depth))
+            self.lines.append(f"{'    ' * self.depth}{code}  # {note}")
+            if ins.loss:
+                self.stmts.append(Stmt(hit.stmts[1].code, "a loss part", spans, self.depth))
+            return
         lc = ins.call
         pieces = _call_pieces(lc, ins.listy)  # one per call object: every micro-batch shares it
         rhs = "".join(x if type(x) is str else f"v[{ins.ins[x]!r}]" for x in pieces)
@@ -139,25 +219,31 @@ class _Emitter(Handler):
             lhs = ", ".join(outs) + ("," if len(outs) == 1 else "")
         else:
             lhs = outs[0]
-        where, spans = self._where(ins)
         self.stmts.append(Stmt(f"{lhs} = {rhs}", where, spans, self.depth))
         if ins.loss:
             self.stmts.append(Stmt(f"rt.loss({outs[0]}, {ins.count!r})", "a loss part", spans,
                                    self.depth))
 
-    def _where(self, ins) -> tuple[str, tuple[Span, ...]]:
-        """The note and plan lines of a call of part ``ins.part`` of ``ins.op`` (asked again by
-        every micro-batch: found once per rank)."""
-        key = (ins.op, ins.part, ins.span)
+    def _where(self, ins) -> tuple[str, tuple[Span, ...], str]:
+        """The note and plan lines of a call of part ``ins.part`` of ``ins.op``, and the
+        comment they make (asked again by every micro-batch: found once per rank)."""
+        key = (ins.op, ins.part)  # a part's calls share one span object
         found = self._wheres.get(key)
-        if found is None:
+        if found is not None and found[0] is ins.span:
+            return found[1]
+        part = next((p for p in self.placed.get((ins.op, self.program.rank), ())
+                     if p.index == ins.part), None)
+        found = self._parts.get(id(part)) if part is not None else None
+        if found is None or found[0] is not part:
             op = self.graph.op(ins.op)
-            part = next((p for p in self.placed.get((ins.op, self.program.rank), ())
-                         if p.index == ins.part), None)
             where = f"{op.module or '(top)'} part {_index(part) if part else ins.part}"
             spans = _spans(part.span, part.assigned_at) if part else _spans(ins.span)
-            found = self._wheres[key] = (where, spans)
-        return found
+            cites = _cites(spans)
+            found = (part, where, spans, f"{where}; {cites}" if cites else where)
+            if part is not None:  # a part's note is the same on every rank
+                self._parts[id(part)] = found
+        self._wheres[key] = (ins.span, found[1:])
+        return found[1:]
 
     def on_cut(self, ins) -> None:
         self._hand(ins, f"{ins.out} = {ins.src} cut from its segment")
@@ -174,8 +260,11 @@ class _Emitter(Handler):
         self._hand(ins, f"{self._edge(ins.edge)} mb {ins.mb} {way}: {_steps_text(ins.steps)}")
 
     def _edge(self, i: int) -> str:
-        tensor, op, slot = self.edges[i]
-        return f"{tensor} -> {op}[{slot}]"
+        found = self._edge_names.get(i)
+        if found is None:
+            tensor, op, slot = self.edges[i]
+            found = self._edge_names[i] = f"{tensor} -> {op}[{slot}]"
+        return found
 
     def on_backward(self, ins) -> None:
         self._hand(ins, f"backward of a segment from {len(ins.seeds)} loss part(s) and "
@@ -306,14 +395,45 @@ def _spans(*spans: Span | None) -> tuple[Span, ...]:
 
 @gc_paused()
 def generate_rank(m: Materialized, rank: int, prov: Provenance,
-                  program: Program | None = None) -> str:
+                  program: Program | None = None, *, reuse: bool = True) -> str:
     """The Python module of ``rank``: header, shard table, cited plan lines, instruction
-    constants, ``train_step``."""
-    e = _Emitter(m, program if program is not None else lower_rank(m, rank))
+    constants, ``train_step``.
+
+    With ``reuse`` (the default), what was written for the first rank of the same class
+    (``ssdsl.lower.classes``) is taken for every instruction object the two programs share;
+    without, everything is written afresh (the same text)."""
+    program = program if program is not None else lower_rank(m, rank, direct=not reuse)
+    done = _renderings(m) if reuse else {}
+    rep = classes_of(m).rep_of.get(rank, rank) if reuse else rank
+    e = _Emitter(m, program, done.get(rep), notes=_part_notes(m) if reuse else {})
     for _ in walk(e.program, e):
         raise AssertionError("the code writer never waits")
     body = _body(e)
+    if rep not in done:
+        k = 0
+        for d in e.done:
+            d.lines = tuple(e.lines[k:k + len(d.stmts)])
+            k += len(d.stmts)
+        done[rep] = e.done
     return _header(rank, prov, body) + body
+
+
+_RENDERED: list[tuple[Materialized, dict[int, list[_Done]]]] = []
+_PART_NOTES: list[tuple[Materialized, dict[int, tuple]]] = []
+
+
+def _part_notes(m: Materialized) -> dict[int, tuple]:
+    """id(part) -> (part, note, plan lines, comment) of ``m``'s parts, once asked."""
+    if not (_PART_NOTES and _PART_NOTES[0][0] is m):
+        _PART_NOTES[:] = [(m, {})]
+    return _PART_NOTES[0][1]
+
+
+def _renderings(m: Materialized) -> dict[int, list[_Done]]:
+    """What was written for the first rank of each class of ``m`` (the plan written last)."""
+    if not (_RENDERED and _RENDERED[0][0] is m):
+        _RENDERED[:] = [(m, {})]
+    return _RENDERED[0][1]
 
 
 def generate_all(m: Materialized, prov: Provenance) -> dict[str, str]:
@@ -360,7 +480,11 @@ def _body(e: _Emitter) -> str:
     lines += ["", "# The program's instructions that the runtime runs as they are."]
     lines += e.consts
     lines += ["", "", "def train_step(rt, v):"]
-    lines += ["    " * s.depth + _line(s) for s in e.stmts]
+    made = e.lines
+    for k, s in enumerate(e.stmts):
+        if made[k] is None:
+            made[k] = "    " * s.depth + _line(s)
+    lines += made
     lines += [""]
     return "\n" + "\n".join(lines)
 
@@ -378,8 +502,9 @@ def _cites(spans: tuple[Span, ...]) -> str:  # equal spans have equal positions:
 
 def _legend(stmts: Sequence[Stmt]) -> list[str]:
     seen: dict[str, Span] = {}
-    for s in stmts:
-        for c in s.cites:
+    distinct = {id(s.cites): s.cites for s in stmts}  # statements share their spans' tuples
+    for cites in distinct.values():
+        for c in cites:
             seen.setdefault(cite(c), c)
     if not seen:
         return []

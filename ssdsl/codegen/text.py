@@ -71,13 +71,29 @@ def literal(value: Any, slot: Callable[[int], str]) -> str:
     raise TypeError(f"no code form for argument {value!r} ({type(value).__name__})")
 
 
-@functools.lru_cache(maxsize=1 << 14)  # a region's fields are ints: equal regions, equal text
+# A plan's regions are few objects asked for again and again (every micro-batch, every rank of
+# a class): their text is found by identity first, the object kept alive with it, then by value.
+_REGION_TEXT: dict[int, tuple[Region, str]] = {}
+
+
 def region_text(region: Region) -> str:
     """``"0:4 x 0:32"``: per dim its intervals (``|`` between the runs of a strided dim).
 
     >>> region_text(Region.box((8, 6), [(4, 8), (0, 6)]))
     '4:8 x 0:6'
     """
+    hit = _REGION_TEXT.get(id(region))
+    if hit is not None and hit[0] is region:
+        return hit[1]
+    if len(_REGION_TEXT) >= 1 << 16:
+        _REGION_TEXT.clear()
+    text = _region_text(region)
+    _REGION_TEXT[id(region)] = (region, text)
+    return text
+
+
+@functools.lru_cache(maxsize=1 << 14)  # a region's fields are ints: equal regions, equal text
+def _region_text(region: Region) -> str:
     if not region.shape:
         text = "scalar"
     else:

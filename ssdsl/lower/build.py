@@ -103,19 +103,23 @@ class ProgramSet:
 
 
 @gc_paused()
-def lower_plan(m: Materialized) -> ProgramSet:
-    """One program per rank of ``m`` (``m.transformed.world`` ranks)."""
-    ctx = _Context.of(m)
+def lower_plan(m: Materialized, *, direct: bool = False) -> ProgramSet:
+    """One program per rank of ``m`` (``m.transformed.world`` ranks), each rank class lowered
+    once (``ssdsl.lower.classes``); ``direct``: every rank lowered by itself."""
     world = m.transformed.world
-    return ProgramSet(world, tuple(_RankLowering(ctx, r).program() for r in range(world)))
+    return ProgramSet(world, tuple(lower_rank(m, r, direct=direct) for r in range(world)))
 
 
-def lower_rank(m: Materialized, rank: int) -> Program:
-    """The program of ``rank`` alone."""
-    return _RankLowering(context_of(m), rank).program()
+def lower_rank(m: Materialized, rank: int, *, direct: bool = False) -> Program:
+    """The program of ``rank``: stamped from its class's representative
+    (``ssdsl.lower.classes``), or with ``direct`` lowered by itself (the same program)."""
+    if direct:
+        return _RankLowering(context_of(m), rank).program()
+    return classes_of(m).program(rank)
 
 
 _LAST: list[tuple[Materialized, _Context]] = []
+_LAST_CLASSES: list[tuple[Materialized, Any]] = []
 
 
 def context_of(m: Materialized) -> _Context:
@@ -127,6 +131,17 @@ def context_of(m: Materialized) -> _Context:
     ctx = _Context.of(m)
     _LAST[:] = [(m, ctx)]
     return ctx
+
+
+def classes_of(m: Materialized):
+    """The rank classes of ``m`` (``ssdsl.lower.classes.ClassLowering``), for the plan lowered
+    last: their representatives are lowered once, whichever rank asks first."""
+    from ssdsl.lower.classes import ClassLowering
+    if _LAST_CLASSES and _LAST_CLASSES[0][0] is m:
+        return _LAST_CLASSES[0][1]
+    found = ClassLowering(context_of(m))
+    _LAST_CLASSES[:] = [(m, found)]
+    return found
 
 
 # -- what every rank's lowering shares ------------------------------------------------------------
@@ -342,6 +357,9 @@ class _RankLowering:
         self._role_of: dict[int, tuple[bool, bool, int, tuple, tuple]] = {}
         self._here: dict[tuple[str, str, int], tuple[Edge | None, bool]] = {}
         self._sends_of: dict[str, list[tuple[Edge, tuple[str, str, int]]]] = {}
+        # id(instruction) -> where its rank-dependent fields came from, for stamping this
+        # program onto the other ranks of its class (``ssdsl.lower.classes``)
+        self.sites: dict[int, tuple] = {}
 
     # -- driver ------------------------------------------------------------------------------
     def program(self) -> Program:
@@ -649,6 +667,10 @@ class _RankLowering:
             found = self._passes[id(adapter)] = _passthrough(adapter, self.rank)
         return found
 
+    def _position(self, op: str, part: Part) -> int:
+        """Where ``part`` stands among this rank's parts of ``op``."""
+        return next(i for i, p in enumerate(self.c.placed[(op, self.rank)]) if p is part)
+
     def _value(self, tensor: str, op: str, part: Part, mb: int) -> str:
         """The name of ``part``'s output ``tensor``: ``x@mb``, or ``x~j@mb`` for the j-th of
         several parts of ``op`` on this rank."""
@@ -724,6 +746,7 @@ class _RankLowering:
             ins = TakeBuffer(value, name, use.region, span=span)
             self.neutral.add(value)
         self.out.append(ins)
+        self.sites[id(ins)] = ("take", name, op, slot, self._position(op, part))
         self.takes[key] = value
         self._define(value, unit)
         self.leaves.add(value)  # takes are leaves (or views of leaves): no cut needed
@@ -756,6 +779,7 @@ class _RankLowering:
                 return None  # nothing leaves this rank and nothing arrives
             ins = tuple(self._use(v, unit) for v in produced) if is_producer else ()
             self.out.append(LocalAdapter(eid, ins, outs, fwd, back, span=span))
+            self.sites[id(self.out[-1])] = ("local", ad, 2 * base)
             if self.z3:
                 self._flow(ins, outs, self.out[-1])
             for o in outs:
@@ -774,6 +798,7 @@ class _RankLowering:
         comm = Comm(eid, mb, False, ins, outs, shapes, dtype, fwd, grad=_has_grad(ad), span=span)
         self._close_region()
         self.out.append(comm)
+        self.sites[id(comm)] = ("comm", ad, 2 * base)
         if self.z3:
             self._flow(ins, (), comm)
         for v in ins if _has_grad(ad) else ():
@@ -824,6 +849,7 @@ class _RankLowering:
                              op.returns == "list", is_loss,
                              is_loss and not any(part.replica_index),
                              span=part.span or part.assigned_at))
+        self.sites[id(self.out[-1])] = ("call", self._position(op.name, part))
         for o in outs:
             self._define(o, unit)
         if self.z3:
@@ -965,6 +991,7 @@ class _RankLowering:
         shapes = self._roles(ad)[4]
         self.out.append(Comm(c.edge, c.mb, True, c.outs, c.ins, shapes, c.dtype, steps,
                              span=c.span))
+        self.sites[id(self.out[-1])] = ("comm", ad.backward, 2 * base + 1)
 
 
 def _free_forward_only(out: list[Any], made: dict[str, list[str]]) -> list[Any]:

@@ -52,6 +52,51 @@ def _fields(obj: Any, skip: str | None = None) -> str:
     return _renderer(type(obj), skip)(obj)
 
 
+def field_texts(ins: Any, *, without_span: bool = False,
+                like: tuple[Any, tuple[str | None, ...]] | None = None
+                ) -> tuple[str | None, ...]:
+    """Each field of ``ins`` as ``instruction_text`` writes it (None: left out), in field
+    order. ``like``: another instruction of the same class and its field texts, whose text is
+    taken for every field that holds the very same object (a program stamped from another
+    shares most of its values with it)."""
+    skip = "span" if without_span else None
+    if like is not None and type(like[0]) is type(ins):
+        return _like_renderer(type(ins), skip)(ins, like[0], like[1])
+    return _like_renderer(type(ins), skip)(ins, None, None)
+
+
+@functools.cache
+def _like_renderer(cls: type, skip: str | None) -> Any:
+    """``field_texts`` of ``cls``, written out once per class (as ``_renderer``)."""
+    env: dict[str, Any] = {"_lit": _lit}
+    names = _named_defaults(cls, skip)
+    lines = ["def render(obj, base, texts):", "    out = []"]
+    for i, (name, default) in enumerate(names):
+        lines.append(f"    v = obj.{name}")
+        lines.append(f"    if base is not None and base.{name} is v:")
+        lines.append(f"        out.append(texts[{i}])")
+        put = f"out.append({name + '='!r} + _lit(v))"
+        if default is attrs.NOTHING:
+            lines.append(f"    else:\n        {put}")
+        else:
+            env[f"d{i}"], env[f"t{i}"] = default, type(default)
+            lines.append(f"    elif type(v) is t{i} and v == d{i}:\n        out.append(None)")
+            lines.append(f"    else:\n        {put}")
+    lines.append("    return tuple(out)")
+    exec("\n".join(lines), env)  # noqa: S102 - text made here from the class's field names
+    return env["render"]
+
+
+def text_of_fields(ins: Any, texts: tuple[str | None, ...]) -> str:
+    """The line ``instruction_text`` writes, from ``field_texts``."""
+    return f"{ins.kind}({', '.join(t for t in texts if t is not None)})"
+
+
+@functools.cache
+def _named_defaults(cls: type, skip: str | None) -> tuple[tuple[str, Any], ...]:
+    return tuple((n, d) for n, d in _defaults(cls) if n != skip)
+
+
 @functools.cache
 def _renderer(cls: type, skip: str | None) -> Any:
     """``cls``'s fields as text, written out once per class: each field (``skip`` left out),
@@ -83,8 +128,22 @@ def _defaults(cls: type) -> tuple[tuple[str, Any], ...]:
 # Regions and spans recur across the instructions of every rank (a 1,024-rank plan writes
 # millions of them); their fields are ints and strings, so equal values have equal text and
 # caching by value is exact (not so for calls: ``1 == 1.0 == True`` would share a text).
-@functools.lru_cache(maxsize=1 << 16)
+_REGION_BY_ID: dict[int, tuple[Region, str]] = {}  # the few region objects, asked again and again
+
+
 def _region_lit(v: Region) -> str:
+    hit = _REGION_BY_ID.get(id(v))
+    if hit is not None and hit[0] is v:
+        return hit[1]
+    if len(_REGION_BY_ID) >= 1 << 16:
+        _REGION_BY_ID.clear()
+    text = _region_value_lit(v)
+    _REGION_BY_ID[id(v)] = (v, text)
+    return text
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _region_value_lit(v: Region) -> str:
     return f"R({_lit(v.shape)}, {_lit(v.intervals)}, {_lit(v.part)})"
 
 
@@ -143,10 +202,26 @@ def _tuple_lit(v: tuple) -> str:
     return f"({inner},)" if len(v) == 1 else f"({inner})"
 
 
+# A collective's fields are a kind, ints and a tuple of ints: equal values, equal text, so
+# cached by value (the members of a group share each text; a stamped program makes its own
+# objects). One of other types (``True == 1``) goes by identity, as calls do.
+def _coll_lit(v: Coll) -> str:
+    if type(v.kind) is str and type(v.group) is tuple and type(v.dim) is int \
+            and type(v.cat_dim) is int and type(v.split_dim) is int \
+            and all(type(x) is int for x in v.group):
+        return _plain_coll_lit(v)
+    return _object_lit(v)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _plain_coll_lit(v: Coll) -> str:
+    return f"Coll({_fields(v)})"
+
+
 # Exact types whose text ``_lit`` gives without further tests (a subclass goes the long way).
 _PLAIN: dict[type, Any] = {str: repr, int: repr, bool: repr, type(None): repr,
                            tuple: _tuple_lit, Region: _region_lit, Span: _span_lit,
-                           LocalCall: _object_lit, Coll: _object_lit, P2P: _object_lit,
+                           LocalCall: _object_lit, Coll: _coll_lit, P2P: _object_lit,
                            Msg: _object_lit}
 
 
