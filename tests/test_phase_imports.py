@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parent.parent / "ssdsl"
 
 # In processing order (docs/architecture.md). Base modules may be imported by every phase and
 # import only base modules.
-PHASES = ["parse", "elaborate", "trace", "transform", "schedule", "materialize", "cost", "lower",
+PHASES = ["parse", "elaborate", "trace", "transform", "schedule", "materialize", "lower", "cost",
           "check", "codegen", "runtime", "api", "cli"]
 BASE = {"source", "errors", "resources", "schema", "gcpause", "ir", "ops", "__init__", "__main__",
         ""}

@@ -26,6 +26,7 @@ from ssdsl.cost.ops import (VIEW_KINDS, Work, aten_name, item_bytes, kept_slots,
 from ssdsl.cost.profiles import Cluster, DeviceProfile
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
+from ssdsl.lower import lower_rank
 from ssdsl.materialize.program import Materialized
 from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
 from ssdsl.ops import Annotation
@@ -126,7 +127,6 @@ def recomputed_regions(m: Materialized) -> dict[tuple[int, str, tuple[int, ...]]
     co-shard's parts run part by part, each part of a stretch its own region."""
     if not m.transformed.recompute:
         return {}
-    from ssdsl.lower import lower_rank  # the lowering imports the cost model's neighbours
     regions: dict[tuple[int, str, tuple[int, ...]], tuple] = {}
     for rank in range(m.transformed.world):
         stages_seen: set[str] = set()
