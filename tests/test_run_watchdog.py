@@ -36,6 +36,9 @@ MODEL = textwrap.dedent('''
     def get_batch(step, batch_size):
         if step == 3 and os.environ.get("RANK") == os.environ.get("SLEEPY"):
             time.sleep(3600)  # the line the message must show
+        if step == 3 and os.environ.get("RANK") == os.environ.get("GREEDY"):
+            import re  # a backtracking match: seconds in C, holding the GIL all along
+            re.match(r"(a+)+$", "a" * 26 + "b")
         g = torch.Generator().manual_seed(step)
         return torch.randn(batch_size, 3, generator=g), torch.randint(0, 2, (batch_size,), generator=g)
 ''')
@@ -150,3 +153,19 @@ def test_a_rank_asleep_in_get_batch_is_named_with_its_line(tmp_path):
     assert "Traceback" not in out
     time.sleep(1.0)
     assert not [p for p in ranks.values() if _alive(p)], "rank processes outlived the job"
+
+
+def test_a_rank_that_computes_while_its_heartbeat_is_starved_is_not_stopped(tmp_path):
+    """Rank 1 spends seconds in one native call that holds the GIL (its heartbeat thread cannot
+    write), with the stale bound at 1 s: it uses the CPU, so the watchdog leaves it be and the
+    job finishes (before, it was named 'stopped answering', as a transformers import on a
+    loaded machine once was)."""
+    model = tmp_path / "small.py"
+    model.write_text(MODEL)
+    out = subprocess.run(
+        [sys.executable, "-m", "ssdsl", "run", str(model), "dp", "--world", "2", "--steps", "6",
+         "--no-verify", "--timeout", "300"], capture_output=True, text=True, cwd=tmp_path,
+        timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                          "GREEDY": "1", "SSDSL_STALE_S": "1"})
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "stopped answering" not in out.stdout + out.stderr

@@ -289,6 +289,7 @@ class _Job:
         self.event_offsets = [0] * nproc
         self.killed_by_us: set[int] = set()
         self.next_watch = 0.0
+        self.cpu_seen: dict[int, float | None] = {}
 
     def start(self, env: dict[str, str]) -> None:
         code = "from ssdsl.runtime.launch import _rank_main; _rank_main()"
@@ -343,7 +344,8 @@ class _Job:
         beats = {r: _read_beat(self.dir, r) for r, c in enumerate(codes) if c is None}
         if any(b is None for b in beats.values()):
             return  # a rank still starting (its first beat comes within a second of its start)
-        stale = [r for r, b in beats.items() if now - b.at > STALE_S]
+        busy = self.busy(beats)
+        stale = [r for r, b in beats.items() if now - b.at > STALE_S and r not in busy]
         if stale and len(stale) < len(beats):
             r = stale[0]
             self.hang(r, f"stopped answering: no heartbeat for {now - beats[r].at:.0f} s "
@@ -361,6 +363,16 @@ class _Job:
                          f"{'s' if len(waiting) > 1 else ''} {who} waited {longest:.0f} s in "
                          f"{waiting[min(waiting)].op}, while rank {r} is {beats[r].describe()}",
                       beats)
+
+    def busy(self, ranks) -> set[int]:
+        """The ``ranks`` whose process used the CPU since the last look and is not stopped:
+        their heartbeat thread may be starved (a long native call holding the GIL, an import
+        on a loaded machine), but they work. Unknown (no ``/proc``): not busy."""
+        now = {r: _process_cpu_s(self.procs[r].pid) for r in ranks}
+        busy = {r for r, cpu in now.items() if cpu is not None
+                and self.cpu_seen.get(r) is not None and cpu - self.cpu_seen[r] > _BUSY_CPU_S}
+        self.cpu_seen.update(now)
+        return busy
 
     def hang(self, rank: int, summary: str, beats: dict[int, Any]) -> None:
         others = [r for r in beats if r != rank]
@@ -566,6 +578,18 @@ def _count_comm_calls() -> None:
         P2POp.__qualname__ = P2POp.__name__ = "P2POp"
         P2POp.__module__ = tdist.P2POp.__module__
         tdist.P2POp = P2POp
+
+
+def _process_cpu_s(pid: int) -> float | None:
+    """CPU seconds process ``pid`` has used (``/proc/PID/stat``); None when it is stopped
+    (SIGSTOP, a debugger), a zombie, or the system has no ``/proc``."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("T", "t", "Z", "X"):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _start_heartbeat(directory: Path, rank: int, *, period_s: float = _BEAT_S,
