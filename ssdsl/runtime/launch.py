@@ -16,7 +16,8 @@ Failure handling, the point of this module:
 - a rank that hangs is named by the watchdog: every rank writes a heartbeat each second (from a
   thread: whether its main thread waits in communication, how many communication calls it has
   made, and where its own code is). A rank whose heartbeat stops (SIGSTOP, a frozen process) is
-  named after ``stale_s``; a rank that does not come to a communication its peers have waited in
+  named after ``stale_s``, unless its process is using the CPU (its heartbeat thread is starved
+  by a native call that holds the GIL: it works); a rank that does not come to a communication its peers have waited in
   for ``hang_s`` without progress (asleep in ``get_batch``, say) is named with the line it is at.
   Both well before gloo's collective timeout (``ssdsl.runtime.dist``), which stays as a backstop,
   as does ``timeout_s`` for the whole job (``JobTimeout``);
