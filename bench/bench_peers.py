@@ -217,6 +217,8 @@ LEVERS = {
     "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
     "prebuilt": ("ssdsl.runtime.executor", "PREBUILD", False),
     "overlap": ("ssdsl.runtime.overlap", "PART_BYTES", 0),
+    # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB
+    "rest_parts": ("ssdsl.runtime.overlap", "REST_PART_BYTES", None),
 }
 
 
