@@ -77,6 +77,10 @@ from ssdsl.transform.parts import Part
 # 8,192 messages), so a plan that fits keeps its tags.
 TAG_STRIDE = 4096
 
+# False sums the loss over all ranks even where each holds all of it (``own_loss``;
+# ``bench/bench_peers.py --off own_loss`` compares)
+OWN_LOSS = True
+
 
 def tag_stride(m: Materialized) -> int:
     """The tag stride of ``m``'s programs (see ``TAG_STRIDE``)."""
@@ -189,6 +193,8 @@ def own_loss(m: Materialized) -> dict[int, frozenset[tuple[int, ...]]] | None:
     per class (its first): replicated losses, as under tensor parallelism, need no collective
     to be reported. Otherwise the loss parts are summed over all ranks, each counted once."""
     t = m.transformed
+    if not OWN_LOSS:
+        return None
     loss_op = t.graph.producer()[t.graph.output].name
     parts = t.parts[loss_op]
     classes = {p.partition_index for p in parts}

@@ -34,11 +34,14 @@ from ssdsl.transform.parts import Part, Transformed, whole_part
 
 Slot = tuple[str, int]  # (consumer operator, input slot)
 
+# False plans every reader's edge on its own (``bench/bench_peers.py --off boundary`` compares)
+ENABLED = True
+
 
 def gather_boundary_reads(t: Transformed) -> Transformed:
     """``t`` with an identity operator on each receiving stage of a cross-stage value that
     several consumer slots there read alike (see the module docstring)."""
-    if t.num_stages < 2:
+    if t.num_stages < 2 or not ENABLED:
         return t
     g = t.graph
     producer = g.producer()
