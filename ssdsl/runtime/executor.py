@@ -123,16 +123,20 @@ class _LocalSteps(torch.autograd.Function):
 
 
 def _whole_copies(step: P2P) -> set[int]:
-    """Target slots that one local copy of a whole source slot fills (co-shard's parts reading
-    one replicated input): they share the source's storage instead of a zeroed copy of it.
-    Nothing writes into a value in place, so sharing is safe."""
-    count: dict[int, int] = {}
+    """Target slots that one message fills whole: one local copy of a whole source slot
+    (co-shard's parts reading one replicated input), or one receive of the whole target (a
+    pipeline stage's input). They take the source's storage or the receive buffer instead of
+    a zeroed tensor that the piece is added into. Nothing writes into a value in place, and a
+    receive buffer is this rank's alone, so sharing is safe."""
+    count: dict[int, int] = {}  # messages into each of this rank's target slots
     for msg in step.msgs:
-        count[msg.dst_slot] = count.get(msg.dst_slot, 0) + 1
+        if msg.kind != "send":
+            count[msg.dst_slot] = count.get(msg.dst_slot, 0) + 1
     return {msg.dst_slot for msg in step.msgs
-            if msg.kind == "copy" and count[msg.dst_slot] == 1
+            if msg.kind != "send" and count[msg.dst_slot] == 1
             and _spatial(step.targets[msg.dst_slot]) == _spatial(msg.region)
-            == _spatial(step.sources[msg.src_slot])}
+            and (msg.kind == "recv"
+                 or _spatial(msg.region) == _spatial(step.sources[msg.src_slot]))}
 
 
 def _spatial(r: Region) -> tuple:
@@ -364,6 +368,10 @@ class Runner(Handler):
                                         shape=msg.region.local_shape)))
         yield from self.meet_all([w for _, w in recvs])
         for msg, w in recvs:
+            if msg.dst_slot in whole:
+                got = w.result
+                outs[msg.dst_slot] = got if got.dtype == dtype else got.to(dtype)
+                continue
             step.targets[msg.dst_slot].add_into(outs[msg.dst_slot], msg.region, w.result)
         return outs
 
