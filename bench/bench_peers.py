@@ -24,7 +24,7 @@ step's time is the slowest rank's; a launch's figure is the median over the step
 ``--warmup``; a tool's figure is the median over ``--rounds`` launches. The loss of every step is
 recorded on both sides; ``loss_agreement`` is the largest relative difference of a pair's losses.
 Prints JSON: per pair both step times and ``ratio`` = ssdsl / peer. ``--off LEVER`` adds, in
-the same rounds, ssdsl with that runtime lever turned off (``LEVERS``): ``lever_LEVER`` is ssdsl /
+the same rounds, ssdsl with that lever turned off (``LEVERS``): ``lever_LEVER`` is ssdsl /
 ssdsl without it (below 1: the lever helps), ``ratio_without_LEVER`` the ratio it would have.
 """
 
@@ -212,11 +212,17 @@ def eager_worker(model_path: str, steps: int) -> tuple[list[float], list[float]]
     return _timed_loop(steps, mf, one_step)
 
 
-# runtime levers that ``--off`` can turn off, each as (module, attribute, value when off)
+# levers that ``--off`` can turn off, each as (module, attribute, value when off): the
+# runtime's, and two planning rules (one message per stage boundary value and receiving device;
+# a replicated loss reported by each rank without a collective)
 LEVERS = {
+    "boundary": ("ssdsl.materialize.boundary", "ENABLED", False),
+    "own_loss": ("ssdsl.lower.build", "OWN_LOSS", False),
     "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
     "prebuilt": ("ssdsl.runtime.executor", "PREBUILD", False),
     "overlap": ("ssdsl.runtime.overlap", "PART_BYTES", 0),
+    # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB
+    "rest_parts": ("ssdsl.runtime.overlap", "REST_PART_BYTES", None),
 }
 
 
@@ -396,7 +402,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--only", nargs="*", default=["eager", "dp", "tp", "1f1b", "gpipe",
                                                  "interleaved"])
     p.add_argument("--off", nargs="*", default=[], choices=sorted(LEVERS),
-                   help="also run ssdsl with each of these runtime levers off (round-robin); "
+                   help="also run ssdsl with each of these levers off (round-robin); "
                    "'lever' gives ssdsl / ssdsl-without-it")
     args = p.parse_args(argv)
     if args.layers % (2 * args.nproc):

@@ -75,7 +75,8 @@ def assert_matches(got: tuple, want: tuple[list[float], dict]) -> None:
 ])
 def test_levers_on_match_the_single_device_model(plan, nproc, sets, acts):
     # parts of 2 KiB: the tiny GPT's bucket becomes dozens of all-reduces started in backward
-    levers = {"ssdsl.runtime.overlap:PART_BYTES": 2048, "ssdsl.runtime.early:LOOKAHEAD": 2}
+    levers = {"ssdsl.runtime.overlap:PART_BYTES": 2048,
+              "ssdsl.runtime.overlap:REST_PART_BYTES": 2048, "ssdsl.runtime.early:LOOKAHEAD": 2}
     per_rank = launch(lever_worker, nproc=nproc, args=(plan, sets, levers), timeout_s=600)
     want = reference()
     for got in per_rank:
@@ -97,10 +98,13 @@ def test_overlap_parts_start_from_the_bucket_end_and_stop_at_a_meeting():
     b = _bucket(5)
     sizes = {e: 16 for e in b.entries}
     prog = Program(0, 2, (Backward((), (), ()), End("0B0"), b, OptimizerStep()))
-    plan = overlap_plan(prog, sizes, part_bytes=32)
+    plan = overlap_plan(prog, sizes, part_bytes=32, rest_bytes=None)
     # entries 4,3 first (autograd reaches the model's end first), each part about 32 bytes
     assert plan.parts == {0: ((4, 3), (2, 1), (0,))}
     assert plan.last == 0
+    # the first part about 32 bytes, the later ones about 48 (DDP's 1 MiB, then 25 MiB)
+    assert overlap_plan(prog, sizes, part_bytes=32, rest_bytes=48).parts == {0: ((4, 3),
+                                                                               (2, 1, 0))}
     blocked = Program(0, 2, (Backward((), (), ()), LossSum((0, 1)), b, OptimizerStep()))
     assert overlap_plan(blocked, sizes, part_bytes=32) is None  # a collective stands between
     assert overlap_plan(prog, sizes, part_bytes=0) is None
@@ -119,3 +123,27 @@ def test_early_receives_skip_a_tag_used_twice():
                           Begin("c"), recv(9), End("c")))
     plan = early_receives(prog, lookahead=1)
     assert [[x.tag for x in unit] for unit in plan] == [[7, 8], [], []]
+
+
+def test_overlap_parts_start_in_order_once_their_gradients_are_final():
+    """The persistent hooks of ``Parts``: nothing starts outside the last backward; inside it a
+    part starts when all its weights' gradients are final and every part before it started; a
+    weight that gradients reach twice counts once; what the backward did not reach starts at
+    its end. The oracle is the order written out by hand for this little graph."""
+    from ssdsl.runtime.overlap import OverlapPlan, Parts
+    leaves = {f"w{i}": torch.ones(2, requires_grad=True) for i in range(4)}
+    started: list[int] = []
+    plan = OverlapPlan(0, {0: ((3,), (2, 1), (0,))})
+    parts = Parts(plan, {0: tuple(leaves)}, leaves, started.append, carrier=0)
+    assert parts.carrier == 2  # the loss rides in the bucket's last part
+    (leaves["w3"] * 2).sum().backward()
+    assert started == []  # not the last backward: the hooks do nothing
+    parts.begin()
+    (leaves["w1"] * 3).sum().backward()  # part 1 lacks w2, and part 0 has not started
+    assert started == []
+    (leaves["w3"] + leaves["w2"]).sum().backward()  # parts 0 and 1 complete, in order
+    assert started == [0, 1]
+    (leaves["w3"] * 5).sum().backward()  # w3 again: counted once, nothing new
+    assert started == [0, 1]
+    parts.finish()  # w0 was never reached: its part starts at the end
+    assert started == [0, 1, 2]

@@ -56,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
     for path in paths:
         if path.suffix == ".py":
             p = programs[int(path.stem.removeprefix("rank"))]
-            kinds = collections.Counter(i.kind for i in p.instructions)
+            # a loss sum over this rank alone talks to no one (every rank holds the whole loss)
+            kinds = collections.Counter(i.kind for i in p.instructions
+                                        if not (i.kind == "loss_sum" and len(i.group) < 2))
             talks = [(kinds[k], what) for k, what in _COMMUNICATION if kinds[k]]
             detail = f": {', '.join(_counted(n, what) for n, what in talks)}" if talks else ""
             print(f"wrote {path}  ({sum(n for n, _ in talks)} communication steps{detail}; "

@@ -314,7 +314,8 @@ class _Emitter(Handler):
         self._hand(ins, f"ZeRO-3: free the gathered weights of bucket {ins.bucket}")
 
     def on_loss_sum(self, ins) -> None:
-        self._hand(ins, "the step's loss: all_reduce over every rank")
+        self._hand(ins, "the step's loss: all_reduce over every rank" if len(ins.group) > 1
+                   else "the step's loss: this rank's own parts (every rank holds all of it)")
 
     def on_step(self, ins) -> None:
         self._hand(ins, "optimizer step on this rank's shards")

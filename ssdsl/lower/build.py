@@ -28,7 +28,8 @@ runs ``F(0, k) B(0, k)`` for every micro-batch) are written out instruction by i
   operators hands part j to part j, the stretch runs part by part, and a recomputed region holds
   one part only, so one part's activations are alive at a time (``_RankLowering._steps``).
 - after the units: ``WaitSends``, the weight-gradient buckets this rank is in, ``LossSum`` (unless
-  the step's loss rides in the last bucket of all ranks), and
+  the step's loss rides in the last bucket of all ranks; over this rank alone, which meets no
+  one, when every rank holds the whole loss: ``own_loss``), and
   ``OptimizerStep``; then a ``GatherBucket`` per ZeRO-sharded bucket (``zero``) of stage 1 or 2,
   which rebuilds the weights from the chunks each member stepped.
 - ZeRO stage 3 buckets (one per module unit, ``ssdsl.materialize.reducer``) live gathered only
@@ -75,6 +76,10 @@ from ssdsl.transform.parts import Part
 # holds the plan's largest adapter direction (``tag_stride``: 4,096 ranks move some tensors in
 # 8,192 messages), so a plan that fits keeps its tags.
 TAG_STRIDE = 4096
+
+# False sums the loss over all ranks even where each holds all of it (``own_loss``;
+# ``bench/bench_peers.py --off own_loss`` compares)
+OWN_LOSS = True
 
 
 def tag_stride(m: Materialized) -> int:
@@ -161,6 +166,8 @@ class _Context:
     placed: dict[tuple[str, int], tuple[Part, ...]]
     edge_keys: tuple[tuple[str, str, int], ...]  # by edge id
     stride: int  # of message tags (``tag_stride``)
+    # when every rank holds the whole loss (``own_loss``): per rank, the loss parts it counts
+    own_loss: dict[int, frozenset[tuple[int, ...]]] | None
 
     @classmethod
     def of(cls, m: Materialized) -> _Context:
@@ -183,12 +190,38 @@ class _Context:
                 placed[(op, p.device)] = placed.get((op, p.device), ()) + (p,)
         return cls(m, ops_of, {s: frozenset(d) for s, d in devices.items()}, producer, after,
                    {key: i for i, key in enumerate(m.edges)}, _unit_programs(m), recompute,
-                   placed, tuple(m.edges), tag_stride(m))
+                   placed, tuple(m.edges), tag_stride(m), own_loss(m))
 
     def first(self, op: str, rank: int) -> Part | None:
         """The first part of ``op`` on ``rank`` (for plan lines), or None."""
         parts = self.placed.get((op, rank))
         return parts[0] if parts else None
+
+
+def own_loss(m: Materialized) -> dict[int, frozenset[tuple[int, ...]]] | None:
+    """Per rank, the loss parts it counts when every rank holds the whole loss, else None.
+
+    The loss operator's parts fall into classes of replicas (one class per partition index:
+    a value split of the loss, by batch under data parallelism, gives several). When every rank
+    holds a part of every class and runs every micro-batch of the loss (a plan without stages,
+    or a loss stage on every rank), each rank has the step's whole loss in its own parts, one
+    per class (its first): replicated losses, as under tensor parallelism, need no collective
+    to be reported. Otherwise the loss parts are summed over all ranks, each counted once."""
+    t = m.transformed
+    if not OWN_LOSS:
+        return None
+    loss_op = t.graph.producer()[t.graph.output].name
+    parts = t.parts[loss_op]
+    classes = {p.partition_index for p in parts}
+    everyone = set(range(t.world))
+    if m.schedule is not None and {p.device for p in parts} != everyone:
+        return None
+    counted: dict[int, dict[tuple[int, ...], tuple[int, ...]]] = {}
+    for p in parts:  # row-major: the first part of a class on a rank is the one it counts
+        counted.setdefault(p.device, {}).setdefault(p.partition_index, p.index)
+    if set(counted) != everyone or any(set(c) != classes for c in counted.values()):
+        return None
+    return {r: frozenset(c.values()) for r, c in counted.items()}
 
 
 def unit_order(m: Materialized, rank: int) -> tuple[tuple[str, Span | None], ...]:
@@ -389,15 +422,18 @@ class _RankLowering:
         # the step's loss rides in the last bucket that every rank all-reduces, if there is one
         # (a reduce-scatter gives each rank only its chunk: the loss cannot ride in it)
         buckets = self.m.reducer.buckets
-        carrier = max((i for i, b in enumerate(buckets)
-                       if tuple(b.devices) == everyone and b.zero < 2), default=None)
+        # ... unless every rank holds the whole loss itself: then it sums only its own parts
+        local = self.c.own_loss is not None
+        carrier = None if local else max((i for i, b in enumerate(buckets)
+                                          if tuple(b.devices) == everyone and b.zero < 2),
+                                         default=None)
         for i, b in enumerate(buckets):
             if self.rank in b.devices and i not in self.reduced:
                 self.out.append(ReduceBucket(i, tuple(b.devices), tuple(b.entries),
                                              span=b.span or self._weight_span(b.entries),
                                              loss=i == carrier, zero=b.zero))
         if carrier is None:
-            self.out.append(LossSum(everyone, span=tail))
+            self.out.append(LossSum((self.rank,) if local else everyone, span=tail))
         self.out.append(OptimizerStep(span=tail))
         for i, b in enumerate(buckets):
             if self.rank in b.devices and b.zero in (1, 2):
@@ -845,9 +881,11 @@ class _RankLowering:
         if self.split:
             ins = self._weight_cuts(ins, outs, unit, part)
         is_loss = self.graph.output in op.outputs
+        own = self.c.own_loss
+        counted = is_loss and (not any(part.replica_index) if own is None
+                               else part.index in own[self.rank])
         self.out.append(Call(op.name, part.index, outs, ins, part.sub.local,
-                             op.returns == "list", is_loss,
-                             is_loss and not any(part.replica_index),
+                             op.returns == "list", is_loss, counted,
                              span=part.span or part.assigned_at))
         self.sites[id(self.out[-1])] = ("call", self._position(op.name, part))
         for o in outs:

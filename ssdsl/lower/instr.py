@@ -368,7 +368,9 @@ class FreeParams:
 
 @attrs.frozen
 class LossSum:
-    """All-reduce over ``group`` of the loss parts this rank counts: the step's loss."""
+    """All-reduce over ``group`` of the loss parts this rank counts: the step's loss. A group
+    of this rank alone meets no one: every rank holds the whole loss and counts its own parts
+    (``ssdsl.lower.build.own_loss``)."""
 
     kind: ClassVar[str] = "loss_sum"
     group: tuple[int, ...]

@@ -24,6 +24,7 @@ from ssdsl.errors import SsdslError
 from ssdsl.gcpause import gc_paused
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
+from ssdsl.materialize.boundary import gather_boundary_reads
 from ssdsl.materialize.fanout import gather_fanouts
 from ssdsl.materialize.plan import plan_adapter
 from ssdsl.materialize.reducer import (GradReducer, Weight, ZeroSpec, module_unit,
@@ -121,8 +122,7 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     With micro-batches, ``t``'s parts are one micro-batch's (local coordinates): the adapters are
     planned once and every micro-batch runs them. ``schedule`` is passed through to the runtime.
     """
-    if schedule is None:
-        t = gather_fanouts(t)
+    t = gather_fanouts(t) if schedule is None else gather_boundary_reads(t)
     _check_one_part_per_device(t, schedule)
     g = t.graph
     sources = source_names(t)

@@ -37,7 +37,7 @@ from ssdsl.runtime.comm import (coll_on_rank, isend, local_coll, start_all_gathe
 from ssdsl.runtime.early import EarlyRecv, early_receives
 from ssdsl.runtime.groups import ProcessGroups, groups_of
 from ssdsl.runtime.init import init_shards
-from ssdsl.runtime.overlap import OverlapPlan, overlap_plan
+from ssdsl.runtime.overlap import OverlapPlan, Parts, overlap_plan
 from ssdsl.runtime.prebuilt import prebuild
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
@@ -123,16 +123,20 @@ class _LocalSteps(torch.autograd.Function):
 
 
 def _whole_copies(step: P2P) -> set[int]:
-    """Target slots that one local copy of a whole source slot fills (co-shard's parts reading
-    one replicated input): they share the source's storage instead of a zeroed copy of it.
-    Nothing writes into a value in place, so sharing is safe."""
-    count: dict[int, int] = {}
+    """Target slots that one message fills whole: one local copy of a whole source slot
+    (co-shard's parts reading one replicated input), or one receive of the whole target (a
+    pipeline stage's input). They take the source's storage or the receive buffer instead of
+    a zeroed tensor that the piece is added into. Nothing writes into a value in place, and a
+    receive buffer is this rank's alone, so sharing is safe."""
+    count: dict[int, int] = {}  # messages into each of this rank's target slots
     for msg in step.msgs:
-        count[msg.dst_slot] = count.get(msg.dst_slot, 0) + 1
+        if msg.kind != "send":
+            count[msg.dst_slot] = count.get(msg.dst_slot, 0) + 1
     return {msg.dst_slot for msg in step.msgs
-            if msg.kind == "copy" and count[msg.dst_slot] == 1
+            if msg.kind != "send" and count[msg.dst_slot] == 1
             and _spatial(step.targets[msg.dst_slot]) == _spatial(msg.region)
-            == _spatial(step.sources[msg.src_slot])}
+            and (msg.kind == "recv"
+                 or _spatial(msg.region) == _spatial(step.sources[msg.src_slot]))}
 
 
 def _spatial(r: Region) -> tuple:
@@ -175,6 +179,8 @@ class Runner(Handler):
         self._replay = False
         self._frozen = False  # inside a forward-only unit
         self._prebuilt: dict[int, tuple[Any, Any]] = {}  # id(instruction) -> (it, handler)
+        # the state and its leaves that ``on_step`` makes sure have a gradient
+        self._stepped: tuple[RankState, list[torch.Tensor]] | None = None
 
     def start(self, batch: tuple[torch.Tensor, ...]) -> None:
         """A new step on the whole batch ``(*inputs, target)``."""
@@ -362,6 +368,10 @@ class Runner(Handler):
                                         shape=msg.region.local_shape)))
         yield from self.meet_all([w for _, w in recvs])
         for msg, w in recvs:
+            if msg.dst_slot in whole:
+                got = w.result
+                outs[msg.dst_slot] = got if got.dtype == dtype else got.to(dtype)
+                continue
             step.targets[msg.dst_slot].add_into(outs[msg.dst_slot], msg.region, w.result)
         return outs
 
@@ -550,10 +560,14 @@ class Runner(Handler):
         self.loss_total = float(w.result.item())
 
     def on_step(self, ins) -> None:
-        sharded = {e for shard in self.zero.values() for e in shard.ins.entries}
-        for key in self.state.leaves:
-            if key not in sharded:
-                self._grad_of(key)
+        if self._stepped is None or self._stepped[0] is not self.state:
+            # the leaves the optimizer steps whole, found once per state
+            sharded = {e for shard in self.zero.values() for e in shard.ins.entries}
+            self._stepped = (self.state, [leaf for key, leaf in self.state.leaves.items()
+                                          if key not in sharded])
+        for leaf in self._stepped[1]:
+            if leaf.grad is None:
+                leaf.grad = torch.zeros_like(leaf)
         for shard in self.zero.values():
             if shard.param.grad is None:
                 shard.param.grad = torch.zeros_like(shard.param)
@@ -577,10 +591,10 @@ class DistRunner(Runner):
         # buckets reduced during the last backward (``ssdsl.runtime.overlap``): the plan of a
         # whole step, the parts started (bucket -> [(positions, work, flat)]), the backwards seen
         self.overlap: OverlapPlan | None = None
-        self.started: dict[int, list[tuple[tuple[int, ...], Any, torch.Tensor]]] = {}
+        # (bucket -> [(part, work, flat)]); ``parts``: the program's parts on this rank's leaves
+        self.started: dict[int, list[tuple[int, Any, torch.Tensor]]] = {}
+        self.parts: Parts | None = None
         self._backwards = 0
-        self._carrier: int | None = None  # the bucket the loss rides in, if overlapped
-        self._bucket_entries: dict[int, tuple] = {}
         self.counts = {"posted_early": 0, "parts_overlapped": 0}  # over the run, for tests
         self._bucket_groups: dict[int, tuple[int, ...]] = {}
 
@@ -605,61 +619,40 @@ class DistRunner(Runner):
         (in order) once autograd has accumulated all its gradients; the rest right after."""
         plan, i = self.overlap, self._backwards
         self._backwards += 1
-        if plan is None or i != plan.last:
+        if plan is None or i != plan.last or self.parts is None:
             yield
             return
-        order = [(b, pos) for b, parts in plan.parts.items() for pos in parts]
-        entries = {b: self._bucket_entries[b] for b in plan.parts}
-        missing = [{entries[b][j] for j in pos} for b, pos in order]
-        nxt = [0]
-
-        def launch_ready() -> None:
-            while nxt[0] < len(order) and not missing[nxt[0]]:
-                self._start_part(*order[nxt[0]])
-                nxt[0] += 1
-
-        def ready(key):
-            def hook(_p: torch.Tensor) -> None:
-                for m in missing[nxt[0]:]:
-                    m.discard(key)
-                launch_ready()
-            return hook
-        keys = {e for b in plan.parts for e in entries[b]}
-        handles = [self.state.leaves[e].register_post_accumulate_grad_hook(ready(e))
-                   for e in keys]
+        self.parts.begin()
         try:
             yield
         finally:
-            for h in handles:
-                h.remove()
-        for m in missing:  # weights the last backward did not reach: their gradients are final
-            m.clear()
-        launch_ready()
+            self.parts.finish()
 
-    def _start_part(self, bucket: int, pos: tuple[int, ...]) -> None:
-        entries = self._bucket_entries[bucket]
-        flat = [self._grad_of(entries[j]).reshape(-1) for j in pos]
-        parts = self.started.setdefault(bucket, [])
-        if bucket == self._carrier and len(parts) == len(self.overlap.parts[bucket]) - 1:
+    def _start_part(self, k: int) -> None:
+        bucket, _ = self.parts.order[k]
+        flat = [(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).reshape(-1)
+                for leaf in self.parts.leaves[k]]
+        if k == self.parts.carrier:
             flat.append(torch.tensor([self._my_loss()], dtype=flat[0].dtype))
         buf = torch.cat(flat)
         group = self._bucket_groups[bucket]
         work = dist.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
                                async_op=True)
-        parts.append((pos, work, buf))
+        self.started.setdefault(bucket, []).append((k, work, buf))
         self.counts["parts_overlapped"] += 1
 
     def on_reduce(self, ins) -> Iterator[Wait]:
         parts = self.started.pop(ins.bucket, None)
         if parts is None:
             return (yield from super().on_reduce(ins))
-        for pos, work, buf in parts:
+        for k, work, buf in parts:
             work.wait()
             offset = 0
-            for j in pos:
-                g = self._grad_of(ins.entries[j])
-                n = g.numel()
-                g.copy_(buf[offset:offset + n].view_as(g))
+            # the reduced gradients are views of the part's buffer, which this rank alone
+            # holds until the next step's ``zero_grad`` drops them: no copy back
+            for leaf in self.parts.leaves[k]:
+                n = leaf.numel()
+                leaf.grad = buf[offset:offset + n].view_as(leaf)
                 offset += n
             if offset < buf.numel():  # the loss rode in this part
                 self.loss_total = float(buf[offset].item())
@@ -793,9 +786,12 @@ class RankProgram:
                   for ins in reduces.values() for e in ins.entries}
         plan = overlap_plan(self.program, nbytes)
         runner = self.runner
-        runner._bucket_entries = {b: ins.entries for b, ins in reduces.items()}
         runner._bucket_groups = {b: ins.group for b, ins in reduces.items()}
-        runner._carrier = next((b for b, ins in reduces.items() if ins.loss), None)
+        if plan is not None:
+            runner.parts = Parts(plan, {b: ins.entries for b, ins in reduces.items()},
+                                 self.state.leaves, runner._start_part,
+                                 carrier=next((b for b, ins in reduces.items() if ins.loss),
+                                              None))
         return plan
 
     def _init_state(self, model: torch.nn.Module) -> RankState:

@@ -7,8 +7,9 @@ nothing between them but instructions that meet no one (unit ends, frees, waitin
 each other). During that last backward no later gradient can reach their weights, so a weight's
 gradient is final once autograd has accumulated it (a post-accumulate hook says so).
 
-The executor then runs each such bucket as a few all-reduces of its parts, ``PART_BYTES`` or so
-each, taken from the bucket's end (the weights autograd reaches first), and starts each part as
+The executor then runs each such bucket as a few all-reduces of its parts, the first
+``PART_BYTES`` or so, the others ``REST_PART_BYTES``, taken from the bucket's end (the weights
+autograd reaches first), and starts each part as
 soon as its gradients are final and every part before it has started: so every member issues
 the same all-reduces on the bucket's group in the same order, the order of the program's
 buckets, whatever the timing. Nothing else meets on the way (that is what makes a bucket
@@ -24,13 +25,21 @@ place when there is nothing to overlap it with (the tiny GPT's 5 ms step: 1.06 a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import attrs
 
 from ssdsl.lower.instr import Program, ReduceBucket
 
-# about how many bytes of gradient one all-reduce of an overlapped bucket carries (DDP's first
-# bucket is 1 MiB); 0 turns the overlap off (benchmarks compare)
+# about how many bytes of gradient the first all-reduce of an overlapped bucket carries, and
+# each later one, as DDP sizes its buckets (1 MiB, then 25 MiB): the first starts early in the
+# backward, and few all-reduces cost less than many where communication takes the same cores
+# as the backward (gloo on this CPU: 0.99 of DDP's CPU time per step against 1.05 with 1 MiB
+# parts, the peers' GPT on 2 ranks). PART_BYTES = 0 turns the overlap off (benchmarks compare);
+# REST_PART_BYTES = None makes every part PART_BYTES.
 PART_BYTES = 1 << 20
+REST_PART_BYTES: int | None = 25 << 20
 
 BACKWARDS = frozenset({"backward", "backward_weight"})
 # what may stand between the last backward and an overlapped bucket: nothing that meets others
@@ -47,13 +56,16 @@ class OverlapPlan:
     parts: dict[int, tuple[tuple[int, ...], ...]]
 
 
-def _parts(ins: ReduceBucket, sizes: list[int], part_bytes: int) -> tuple[tuple[int, ...], ...]:
-    """Positions of the bucket's entries grouped from its end, each group about
-    ``part_bytes``."""
+def _parts(ins: ReduceBucket, sizes: list[int], part_bytes: int,
+           rest_bytes: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """Positions of the bucket's entries grouped from its end, the first group about
+    ``part_bytes``, the others about ``rest_bytes`` (default: ``part_bytes`` too)."""
     groups: list[list[int]] = []
     size = 0
     for i in reversed(range(len(ins.entries))):
-        if not groups or size + sizes[i] > part_bytes:
+        # the cap of the group being filled: the first one's, or the later ones'
+        cap = part_bytes if len(groups) <= 1 or rest_bytes is None else rest_bytes
+        if not groups or size + sizes[i] > cap:
             groups.append([])
             size = 0
         groups[-1].append(i)
@@ -61,11 +73,14 @@ def _parts(ins: ReduceBucket, sizes: list[int], part_bytes: int) -> tuple[tuple[
     return tuple(tuple(g) for g in groups)
 
 
-def overlap_plan(program: Program, nbytes: dict, *, part_bytes: int | None = None
-                 ) -> OverlapPlan | None:
+def overlap_plan(program: Program, nbytes: dict, *, part_bytes: int | None = None,
+                 rest_bytes: int | None | str = "default") -> OverlapPlan | None:
     """The buckets of ``program`` to reduce during its last backward, or None (none can be).
-    ``nbytes`` gives each entry's (weight, region) gradient size in bytes."""
+    ``nbytes`` gives each entry's (weight, region) gradient size in bytes; the first part of a
+    bucket holds about ``part_bytes``, the others about ``rest_bytes`` (defaults:
+    ``PART_BYTES``, ``REST_PART_BYTES``; None: ``part_bytes`` too)."""
     part_bytes = PART_BYTES if part_bytes is None else part_bytes
+    rest_bytes = REST_PART_BYTES if rest_bytes == "default" else rest_bytes
     if part_bytes <= 0:
         return None
     kinds = [ins.kind for ins in program.instructions]
@@ -78,8 +93,66 @@ def overlap_plan(program: Program, nbytes: dict, *, part_bytes: int | None = Non
             continue
         if ins.kind != "reduce" or ins.zero or len(ins.group) < 2:
             break
-        split = _parts(ins, [nbytes[e] for e in ins.entries], part_bytes)
+        split = _parts(ins, [nbytes[e] for e in ins.entries], part_bytes, rest_bytes)
         if len(split) < 2:  # a small bucket: its one all-reduce is quicker where it stands
             break  # (and the buckets after it must not start before it)
         parts[ins.bucket] = split
     return OverlapPlan(len(lasts) - 1, parts) if parts else None
+
+
+class Parts:
+    """The overlapped parts of one rank's program on its weight leaves, in the order they
+    start, and the hooks that say when each part's gradients are final.
+
+    The hooks are registered once, on the leaves (which live as long as the program), and act
+    only between ``begin`` and ``finish``, around the program's last backward: each one marks
+    its weight's gradient final (once, whatever autograd does after) and starts, in order, every
+    part whose gradients are all final and whose predecessors have started (``start(k)``)."""
+
+    def __init__(self, plan: OverlapPlan, entries: dict[int, tuple], leaves: dict,
+                 start: Callable[[int], None], *, carrier: int | None = None) -> None:
+        self.order = [(b, pos) for b, parts in plan.parts.items() for pos in parts]
+        self.leaves = [[leaves[entries[b][j]] for j in pos] for b, pos in self.order]
+        # the loss rides in the last part of the carrier bucket
+        self.carrier = max((k for k, (b, _) in enumerate(self.order) if b == carrier),
+                           default=None)
+        self._need = [len(pos) for _, pos in self.order]
+        self._left = list(self._need)
+        self._seen = bytearray(sum(self._need))
+        self._next = len(self.order)  # nothing may start until ``begin``
+        self._start = start
+        self.active = False
+        i = 0
+        for k, part in enumerate(self.leaves):
+            for leaf in part:
+                leaf.register_post_accumulate_grad_hook(self._hook(k, i))
+                i += 1
+
+    def _hook(self, k: int, i: int) -> Callable[[Any], None]:
+        def hook(_leaf: Any) -> None:
+            if not self.active or self._seen[i]:
+                return
+            self._seen[i] = 1
+            self._left[k] -= 1
+            if k == self._next and not self._left[k]:
+                self._launch_ready()
+        return hook
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.order) and not self._left[self._next]:
+            k, self._next = self._next, self._next + 1
+            self._start(k)
+
+    def begin(self) -> None:
+        """The last backward begins: no gradient of these weights is final yet."""
+        self._left = list(self._need)
+        self._seen = bytearray(len(self._seen))
+        self._next = 0
+        self.active = True
+
+    def finish(self) -> None:
+        """The last backward is over: every gradient is final (a weight it did not reach has
+        none: zeros); the parts not started yet start, in order."""
+        self.active = False
+        self._left = [0] * len(self._left)
+        self._launch_ready()

@@ -46,10 +46,12 @@ class SimRunner(Runner):
 
 @attrs.frozen(eq=False)
 class Simulation:
-    """One simulated training step: the loss, and every device's reduced weight gradients."""
+    """One simulated training step: the loss, and every device's reduced weight gradients;
+    ``losses``: the loss each rank reports (every rank reports the step's loss)."""
 
     loss: float
     grads: Mapping[int, Mapping[LeafKey, torch.Tensor]]
+    losses: Mapping[int, float | None] = attrs.field(factory=dict)
 
 
 def simulate_programs(m: Materialized, programs: Sequence[Program], model: torch.nn.Module,
@@ -79,7 +81,7 @@ def simulate_programs(m: Materialized, programs: Sequence[Program], model: torch
                     if v.grad is not None}
              for rank, r in runners.items() if r.state.leaves}
     _sharded_grads(runners, grads)
-    return Simulation(loss, grads)
+    return Simulation(loss, grads, {rank: r.loss_total for rank, r in runners.items()})
 
 
 def _sharded_grads(runners: Mapping[int, SimRunner],

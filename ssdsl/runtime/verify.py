@@ -178,6 +178,9 @@ def compare_with_model(m: Materialized, model_file: ModelFile, sim: Simulation, 
     problems: list[str] = []
     if loss_err > rtol:
         problems.append(f"loss {sim.loss!r} differs from the plain model's {ref_loss!r}")
+    problems += [f"rank {rank} reports the loss {got!r}, not the plain model's {ref_loss!r}"
+                 for rank, got in sorted(sim.losses.items())
+                 if got is None or abs(got - ref_loss) / max(1.0, abs(ref_loss)) > rtol]
     problems += [f"device {dev}: gradient of {g.params[name]} {region!r} off by {err:.3g} "
                  "(relative to the largest gradient entry)"
                  for dev, name, region, err in errors if err > rtol]

@@ -20,7 +20,7 @@ PLAN_FILE = 'megatron_tp.ssp'
 PLAN_PARAMS = {'tp': 2, 'blocks': 'h.*', 'attn': 'attn', 'attn_out': 'attn.c_proj', 'mlp': 'mlp', 'mlp_out': 'mlp.c_proj', 'placed': True}
 MODEL_FILE = 'gpt.py'
 SSDSL_VERSION = '0.1.0'
-DIGEST = '9704f63b3ff39059'
+DIGEST = '41eec8f3c08a976f'
 
 # -- shards --------------------------------------------------------------------------------
 # Parameter shards this rank holds: (graph tensor, qualified name, region).
@@ -123,7 +123,7 @@ I59 = backward(seeds=(), roots=('layer_norm@0', 'add@0', 'share_p_model_wte_weig
 I60 = free(values=('arange@0', 'p_model_wte_weight#0|0', 'share_p_model_wte_weight@0', 'batch_0#1|0', 'embedding@0', 'p_model_wpe_weight#2|0', 'embedding_1@0', 'add@0', 'p_model_h_0_ln_1_weight#3|0', 'p_model_h_0_ln_1_bias#4|0', 'layer_norm@0', 'layer_norm>linear.0@0', 'p_model_h_0_attn_c_attn_weight#5|1', 'p_model_h_0_attn_c_attn_bias#6|1', 'linear@0', 'split.0@0', 'split.1@0', 'split.2@0', 'view@0', 'transpose@0', 'view_1@0', 'transpose_1@0', 'view_2@0', 'transpose_2@0', 'scaled_dot_product_attention@0', 'transpose_3@0', 'contiguous@0', 'view_3@0', 'p_model_h_0_attn_c_proj_weight#7|1', 'linear_1@0', 'add@0|1', 'linear_1>add_1.1@0', 'add_1@0', 'p_model_h_0_ln_2_weight#8|2', 'p_model_h_0_ln_2_bias#9|2', 'layer_norm_1@0', 'layer_norm_1>linear_2.0@0', 'p_model_h_0_mlp_c_fc_weight#10|3', 'p_model_h_0_mlp_c_fc_bias#11|3', 'linear_2@0', 'gelu@0', 'p_model_h_0_mlp_c_proj_weight#12|3', 'linear_3@0', 'add_1@0|3', 'linear_3>add_2.1@0', 'add_2@0', 'p_model_h_1_ln_1_weight#13|4', 'p_model_h_1_ln_1_bias#14|4', 'layer_norm_2@0', 'layer_norm_2>linear_4.0@0', 'p_model_h_1_attn_c_attn_weight#15|5', 'p_model_h_1_attn_c_attn_bias#16|5', 'linear_4@0', 'split_1.0@0', 'split_1.1@0', 'split_1.2@0', 'view_4@0', 'transpose_4@0', 'view_5@0', 'transpose_5@0', 'view_6@0', 'transpose_6@0', 'scaled_dot_product_attention_1@0', 'transpose_7@0', 'contiguous_1@0', 'view_7@0', 'p_model_h_1_attn_c_proj_weight#17|5', 'linear_5@0', 'add_2@0|5', 'linear_5>add_3.1@0', 'add_3@0', 'p_model_h_1_ln_2_weight#18|6', 'p_model_h_1_ln_2_bias#19|6', 'layer_norm_3@0', 'layer_norm_3>linear_6.0@0', 'p_model_h_1_mlp_c_fc_weight#20|7', 'p_model_h_1_mlp_c_fc_bias#21|7', 'linear_6@0', 'gelu_1@0', 'p_model_h_1_mlp_c_proj_weight#22|7', 'linear_7@0', 'add_3@0|7', 'linear_7>add_4.1@0', 'add_4@0', 'p_model_ln_f_weight#23|8', 'p_model_ln_f_bias#24|8', 'layer_norm_4@0', 'share_p_model_wte_weight@0|8', 'linear_8@0', 'reshape@0', 'batch_1#25|8', 'reshape_1@0', 'cross_entropy_loss_terms@0', 'cross_entropy_loss_count#26|8', 'cross_entropy_loss_normalized@0', 'cross_entropy_loss@0'))
 I61 = end(unit='0B0')
 I62 = wait_sends()
-I63 = loss_sum(group=(0, 1))
+I63 = loss_sum(group=(1,))
 I64 = step()
 
 
@@ -221,7 +221,7 @@ def train_step(rt, v):
     rt(I40)  # cross_entropy_loss_count#26|8 = batch[2] scalar; megatron_tp.ssp:21:5
     v['cross_entropy_loss_normalized@0'] = aten.div.Tensor(v['cross_entropy_loss_terms@0'], v['cross_entropy_loss_count#26|8'])  # (top) part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     v['cross_entropy_loss@0'] = aten.sum.default(v['cross_entropy_loss_normalized@0'])  # (top) part (r1); megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
-    rt.loss(v['cross_entropy_loss@0'], False)  # a loss part; megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
+    rt.loss(v['cross_entropy_loss@0'], True)  # a loss part; megatron_tp.ssp:18:1, megatron_tp.ssp:21:5
     rt(I41)  # unit 0F0 ends
     rt(I42)  # unit 0B0 begins
     rt(I43)  # backward of a segment from 1 loss part(s) and 0 received gradient(s); megatron_tp.ssp:21:5
@@ -244,5 +244,5 @@ def train_step(rt, v):
     rt(I60)  # free 96 values
     rt(I61)  # unit 0B0 ends
     rt(I62)  # wait for the sends in flight; megatron_tp.ssp:21:5
-    rt(I63)  # the step's loss: all_reduce over every rank; megatron_tp.ssp:21:5
+    rt(I63)  # the step's loss: this rank's own parts (every rank holds all of it); megatron_tp.ssp:21:5
     rt(I64)  # optimizer step on this rank's shards; megatron_tp.ssp:21:5
