@@ -41,6 +41,7 @@ CASES = {
     "dp": (GPT, "dp", 4, {}, True),
     "dp_tp": (GPT, "dp_tp", 8, {"dp": 2, "tp": 4}, True),
     "megatron_sp": (GPT, "megatron_sp", 4, {}, True),
+    "megatron_tp": (GPT, "megatron_tp", 4, {}, True),  # every rank holds the loss: its own sum
     "zero1": (GPT, "dp_zero", 4, {"stage": 1}, True),
     "zero2": (GPT, "dp_zero", 4, {"stage": 2}, True),
     "zero3": (GPT, "dp_zero", 4, {"stage": 3}, True),

@@ -35,8 +35,8 @@ from typing import Any
 
 import attrs
 
-from ssdsl.lower.instr import (Call, Comm, GatherBucket, LocalAdapter, Program, ReduceBucket,
-                               TakeBuffer, TakeInput, TakeParam)
+from ssdsl.lower.instr import (Call, Comm, GatherBucket, LocalAdapter, LossSum, Program,
+                               ReduceBucket, TakeBuffer, TakeInput, TakeParam)
 from ssdsl.lower.build import _Context, _has_grad, _local_coll, stamp
 from ssdsl.materialize.steps import PointToPoint
 
@@ -287,6 +287,8 @@ def stamp_program(ctx: _Context, index: RankIndex, rep: Representative, rank: in
                     else ()
                 if fwd != ins.steps or back != ins.back:
                     ins = LocalAdapter(ins.edge, ins.ins, ins.outs, fwd, back, span=ins.span)
+        elif type(ins) is LossSum and ins.group == (rep.program.rank,) and rank != rep.program.rank:
+            ins = LossSum((rank,), span=ins.span)  # a rank's own loss: over itself alone
         elif type(ins) in _BUCKETS and bucket_of.get(ins.bucket, ins.bucket) != ins.bucket:
             b = bucket_of[ins.bucket]
             ins = attrs.evolve(ins, bucket=b, group=tuple(buckets[b].devices),
