@@ -128,7 +128,7 @@ def simulate_costs(costs: PlanCosts, schedule: Schedule, groups: tuple[tuple[int
     devices = tuple(d for g in groups for d in g)
     reducer = max((costs.reducer.get(d, 0.0) for d in devices), default=0.0)
     optimizer = max((costs.optimizer.get(d, 0.0) for d in devices), default=0.0)
-    loss = loss_reduce_time(opts, devices) if len(devices) > 1 else 0.0
+    loss = loss_reduce_time(opts, devices) if costs.loss_collective and len(devices) > 1 else 0.0
     step = makespan + reducer + optimizer + loss
     reports = tuple(_device_report(costs, schedule, groups, intervals, d, makespan, loss)
                     for d in sorted(devices))

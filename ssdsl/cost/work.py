@@ -27,6 +27,7 @@ from ssdsl.cost.profiles import Cluster, DeviceProfile
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.lower import lower_rank
+from ssdsl.lower.build import loss_collective
 from ssdsl.materialize.program import Materialized
 from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
 from ssdsl.ops import Annotation
@@ -83,6 +84,9 @@ class PlanCosts:
     optimizer: Mapping[int, float]                     # device -> optimizer step time
     memory: Mapping[int, StaticMemory]
     devices: tuple[int, ...]
+    # whether the step ends with a collective of its own for the loss (as the lowering decides:
+    # not when every rank holds the whole loss, nor when it rides in a gradient bucket)
+    loss_collective: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -109,7 +113,8 @@ def plan_costs(m: Materialized, opts: CostOptions) -> PlanCosts:
     fwd_delay, bwd_delay = _adapters(m, opts, units)
     memory, reducer, optimizer = _static(m, opts, devices)
     frozen = {k: UnitCost(**v) for k, v in units.items()}
-    return PlanCosts(frozen, fwd_delay, bwd_delay, reducer, optimizer, memory, devices)
+    return PlanCosts(frozen, fwd_delay, bwd_delay, reducer, optimizer, memory, devices,
+                     loss_collective(m))
 
 
 # ------------------------------------------------------------------------------ compute

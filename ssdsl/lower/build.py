@@ -224,6 +224,21 @@ def own_loss(m: Materialized) -> dict[int, frozenset[tuple[int, ...]]] | None:
     return {r: frozenset(c.values()) for r, c in counted.items()}
 
 
+def loss_bucket(m: Materialized) -> int | None:
+    """The gradient bucket the step's loss rides in: the last that every rank all-reduces (a
+    reduce-scatter gives each rank only its chunk: the loss cannot ride in it); None when there
+    is none (then a ``LossSum`` of its own reports it, unless ``own_loss``)."""
+    everyone = tuple(range(m.transformed.world))
+    return max((i for i, b in enumerate(m.reducer.buckets)
+                if tuple(b.devices) == everyone and b.zero < 2), default=None)
+
+
+def loss_collective(m: Materialized) -> bool:
+    """Whether the step ends with a collective of its own for the loss (``LossSum`` over more
+    than one rank): not when every rank holds the whole loss, nor when it rides in a bucket."""
+    return m.transformed.world > 1 and own_loss(m) is None and loss_bucket(m) is None
+
+
 def unit_order(m: Materialized, rank: int) -> tuple[tuple[str, Span | None], ...]:
     """The units ``rank`` runs, in the schedule's order, each with its plan line."""
     return next((us for group, us in _unit_programs(m) if rank in group), ())
@@ -419,14 +434,9 @@ class _RankLowering:
         tail = self._anchor()
         self.out.append(WaitSends(span=tail))
         everyone = tuple(range(self.t.world))
-        # the step's loss rides in the last bucket that every rank all-reduces, if there is one
-        # (a reduce-scatter gives each rank only its chunk: the loss cannot ride in it)
         buckets = self.m.reducer.buckets
-        # ... unless every rank holds the whole loss itself: then it sums only its own parts
         local = self.c.own_loss is not None
-        carrier = None if local else max((i for i, b in enumerate(buckets)
-                                          if tuple(b.devices) == everyone and b.zero < 2),
-                                         default=None)
+        carrier = None if local else loss_bucket(self.m)
         for i, b in enumerate(buckets):
             if self.rank in b.devices and i not in self.reduced:
                 self.out.append(ReduceBucket(i, tuple(b.devices), tuple(b.entries),
