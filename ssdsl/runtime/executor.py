@@ -18,6 +18,7 @@ order of every collective and message, backward included, is the program's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -943,6 +944,7 @@ def _call(target: str, args: tuple, kwargs: dict) -> Any:
         return torch.ops.aten.reshape.default(*args, **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
 def _writes_in_place(target: str) -> bool:
     """``aten.relu_.default``, ``aten.add_.Tensor``: an ATen op whose name ends in ``_``."""
     name = target.split(".")[1] if target.count(".") >= 2 else target
