@@ -11,7 +11,11 @@ the alpha-beta model (all-reduce of n bytes over 2 ranks: 2 alpha + n / beta; a 
 alpha + n / beta). The collectives are timed as a step meets them, each call after a compute
 gap on both ranks (what the loop with the call takes beyond the loop without it); back to back,
 as most collective benchmarks time them, gloo's latency is several times lower, and both fits
-are printed. Per quantity the profile keeps the slowest rank's figure.
+are printed. The latency also has a floor from the executor itself: what one all-reduce
+instruction adds to an ssdsl step (``executor_collective``: a chain of column/row-parallel
+blocks against the same chain under ``dp``, both run with ``ssdsl run --nproc 2``); the
+profile's alpha is the larger of the two. Per quantity the profile keeps the slowest rank's
+figure.
 ``calibrate`` runs ``ssdsl run --json --nproc 2`` for each model and plan and compares the median
 step time (of each run's steps after the first, median over repeats, slowest rank) with
 ``ssdsl cost --device cpu`` (the profile is measured again right before each case, as the load of a shared machine
@@ -120,6 +124,54 @@ def executor_overhead(repeats: int) -> float:
     slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / \
         sum((n - mean_n) ** 2 for n, _ in points)
     return slope / 2
+
+
+CHAIN_TP = """
+import torch, torch.nn as nn
+BATCH_SIZE = 8
+INPUT_DIMS = (("batch", "features"),)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.GELU(),
+                                                    nn.Linear(32, 16)) for _ in range({layers})])
+    def forward(self, x):
+        return self.layers(x)
+def build_model():
+    return Net()
+def get_batch(step, batch_size):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch_size, 16, generator=g), torch.randint(0, 16, (batch_size,), generator=g)
+"""
+CHAIN_TP_PLAN = """plan chain_tp()
+partition layers.* except layers.*.2 along out into world
+partition layers.*.2 along in into world
+replicate rest into world
+assign each part i to device i
+"""
+
+
+def executor_collective(steps: int = 12) -> float:
+    """Seconds one all-reduce instruction of the ssdsl executor costs inside a step, on 2 ranks
+    that compute between them: a chain of tiny blocks, each a column- then row-parallel pair
+    (one all-reduce in forward, one in backward), run with ``ssdsl run --nproc 2`` at 2, 8 and
+    16 blocks; the growth of the step time per block beyond the same chain under ``dp`` (the
+    same operators on the same 2 busy ranks, no per-block communication), per all-reduce."""
+    slopes = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = Path(tmp) / "chain_tp.ssp"
+        plan.write_text(CHAIN_TP_PLAN)
+        for name, which in (("tp", str(plan)), ("dp", "dp")):
+            points = []
+            for layers in (2, 8, 16):
+                model = Path(tmp) / f"chain{layers}.py"
+                model.write_text(CHAIN_TP.replace("{layers}", str(layers)))
+                points.append((layers, _measured(str(model), which, steps, "--no-verify")))
+            mean_n = statistics.fmean(n for n, _ in points)
+            mean_t = statistics.fmean(t for _, t in points)
+            slopes[name] = sum((n - mean_n) * (t - mean_t) for n, t in points) / \
+                sum((n - mean_n) ** 2 for n, _ in points)
+    return max(slopes["tp"] - slopes["dp"], 0.0) / 2
 
 
 def _gap(k: int) -> None:
@@ -236,7 +288,11 @@ def measure(args: argparse.Namespace) -> None:
     per_op = max(op, m["executor"])
     op, view = per_op, view + per_op - op
     idle_alpha, idle_beta = _alpha_beta(m["idle"])
-    alpha, beta = _alpha_beta(m["in_step"])
+    gap_alpha, beta = _alpha_beta(m["in_step"])
+    # what an all-reduce instruction of the executor costs inside a step: over 2 ranks,
+    # 2 alpha + n / beta, with n a few hundred bytes here
+    per_call = executor_collective()
+    alpha = max(gap_alpha, per_call / 2)
     prof = {"name": "cpu", "peak": {"float32": m["f32"], "float64": m["f64"]}, "memory": 16e9,
             "memory_bw": m["bw"], "intra_bw": beta, "intra_latency": alpha,
             "inter_bw": beta, "inter_latency": alpha, "per_node": 1024,
@@ -251,8 +307,10 @@ def measure(args: argparse.Namespace) -> None:
     if not getattr(args, "quiet", False):
         print(json.dumps(prof, indent=1))
         print(f"collectives back to back: alpha {idle_alpha * 1e6:.1f} us, beta "
-              f"{idle_beta / 1e9:.2f} GB/s; between computing ranks (the profile's): alpha "
-              f"{alpha * 1e6:.1f} us, beta {beta / 1e9:.2f} GB/s")
+              f"{idle_beta / 1e9:.2f} GB/s; between computing ranks: alpha "
+              f"{gap_alpha * 1e6:.1f} us, beta {beta / 1e9:.2f} GB/s; one all-reduce "
+              f"instruction in an ssdsl step: {per_call * 1e6:.1f} us; the profile's alpha "
+              f"{alpha * 1e6:.1f} us")
         for (kind, n, idle), (_, _, in_step) in zip(m["idle"], m["in_step"]):
             print(f"  {kind:10} {n:>9} B  back to back {idle * 1e6:9.1f} us  "
                   f"in a step {in_step * 1e6:9.1f} us")
@@ -263,10 +321,10 @@ CASES = [("examples/gpt.py", p) for p in ("dp", "megatron_tp", "1f1b")] + \
         [("bench/gpt_small.py", p) for p in ("dp", "megatron_tp", "1f1b")]
 
 
-def _measured(model: str, plan: str, steps: int) -> float:
+def _measured(model: str, plan: str, steps: int, *flags: str) -> float:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "ssdsl", "run", model, plan, "--nproc",
-                          str(RANKS), "--steps", str(steps), "--json"], cwd=ROOT, env=env,
+                          str(RANKS), "--steps", str(steps), "--json", *flags], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True).stdout
     data = json.loads(out[out.index("{"):])
     ranks = data.get("ranks") or data.get("result", {}).get("ranks")
