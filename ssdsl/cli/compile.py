@@ -28,13 +28,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("plan", help="a .ssp file or a stdlib plan name")
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="folder to write into (created when missing)")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="processes that write the files (default: the cores this process may "
+                   "use); the files do not depend on it")
     add_plan_options(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ssdsl.cli._resolve import _resolve, lower_and_check
-    from ssdsl.codegen import Provenance, generate_rank, write_programs
+    from ssdsl.codegen import Provenance, default_jobs, generate_rank, write_programs
     from ssdsl.gcpause import gc_paused
     from ssdsl.materialize.program import materialize
     from ssdsl.trace import trace
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         texts[f"rank{p.rank}.py"] = functools.partial(generate_rank, m, p.rank, prov, p)
         texts[f"rank{p.rank}.program"] = functools.partial(_program_file, p)
     with gc_paused(keep=True):  # the modules' shared lines live to the end as well
-        paths = write_programs(args.output, texts)
+        paths = write_programs(args.output, texts, jobs=args.jobs or default_jobs())
     for path in paths:
         if path.suffix == ".py":
             p = programs[int(path.stem.removeprefix("rank"))]

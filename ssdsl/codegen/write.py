@@ -32,13 +32,24 @@ def is_generated(path: Path) -> bool:
         return False
 
 
-def write_programs(folder: str | Path, texts: Mapping[str, str | Callable[[], str]]
-                   ) -> list[Path]:
+def default_jobs() -> int:
+    """How many processes write generated files: the cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
+def write_programs(folder: str | Path, texts: Mapping[str, str | Callable[[], str]], *,
+                   jobs: int = 1) -> list[Path]:
     """Write ``texts`` (file name -> module text) into ``folder``; returns the paths written.
 
     A text may be a function that makes it: it is called when its file is written and not kept,
     so a 1,024-rank compile holds one module at a time
-    (``{"rank0.py": functools.partial(generate_rank, m, 0, prov), ...}``)."""
+    (``{"rank0.py": functools.partial(generate_rank, m, 0, prov), ...}``). With ``jobs`` > 1
+    (where the system can fork) the functions run in that many forked processes, each writing
+    a share of the files; the files are the same (``tests/test_codegen_write.py``), and an
+    error raised in one is raised here."""
     out = Path(folder)
     if out.exists() and not out.is_dir():
         raise NotGenerated(f"{out} exists and is not a folder",
@@ -51,13 +62,70 @@ def write_programs(folder: str | Path, texts: Mapping[str, str | Callable[[], st
         names = ", ".join(p.name for p in foreign)
         raise NotGenerated(f"{out} holds files that ssdsl did not generate: {names}",
                            hint="choose an empty folder, or move those files away")
-    written = [_atomic_write(out / name, text() if callable(text) else text)
-               for name, text in sorted(texts.items())]
+    items = sorted(texts.items())
+    if jobs > 1 and hasattr(os, "fork") and len(items) >= 2 * jobs:
+        written = _write_forked(out, items, jobs)
+    else:
+        written = [_atomic_write(out / name, text() if callable(text) else text)
+                   for name, text in items]
     for p in existing:
         if re.fullmatch(r"rank\d+\.(py|program)", p.name) and p.name not in texts \
                 and is_generated(p):
             p.unlink()
     return written
+
+
+def _write_forked(out: Path, items: list, jobs: int) -> list[Path]:
+    """Each of ``jobs`` forked children writes its share of ``items``; a child that fails sends its
+    exception back through a pipe (pickled, or its text when it does not pickle)."""
+    import pickle
+
+    # the files of one stem (rank3.py, rank3.program) go to one child, the stems dealt in turn
+    stems = {stem: i for i, stem in enumerate(sorted({Path(name).stem for name, _ in items}))}
+    shares = [[it for it in items if stems[Path(it[0]).stem] % jobs == k] for k in range(jobs)]
+    children = []
+    for k in range(jobs):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: write its share, report, and leave without cleanup
+            os.close(read)
+            code = 0
+            try:
+                for name, text in shares[k]:
+                    _atomic_write(out / name, text() if callable(text) else text)
+            except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
+                code = 1
+                text = f"{type(exc).__name__}: {exc}"
+                try:
+                    data = pickle.dumps((text, pickle.dumps(exc)))
+                except Exception:  # noqa: BLE001 - not picklable: its text
+                    data = pickle.dumps((text, None))
+                with os.fdopen(write, "wb") as f:
+                    f.write(data)
+            os._exit(code)
+        os.close(write)
+        children.append((pid, read))
+    failure = None
+    for pid, read in children:
+        with os.fdopen(read, "rb") as f:
+            data = f.read()
+        _, status = os.waitpid(pid, 0)
+        if failure is None and (data or status != 0):
+            failure = _unpickled(data) if data else RuntimeError(
+                f"a process writing generated files ended with status {status}")
+    if failure is not None:
+        raise failure
+    return [out / name for name, _ in items]
+
+
+def _unpickled(data: bytes) -> BaseException:
+    import pickle
+
+    text, exc = pickle.loads(data)
+    try:
+        return pickle.loads(exc) if exc is not None else RuntimeError(text)
+    except Exception:  # noqa: BLE001 - an exception whose constructor does not take its args
+        return RuntimeError(text)
 
 
 def _atomic_write(path: Path, text: str) -> Path:
