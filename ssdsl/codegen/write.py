@@ -81,7 +81,8 @@ def _write_forked(out: Path, items: list, jobs: int) -> list[Path]:
     import pickle
 
     # the files of one stem (rank3.py, rank3.program) go to one child, the stems dealt in turn
-    stems = {stem: i for i, stem in enumerate(sorted({Path(name).stem for name, _ in items}))}
+    stems = {stem: i for i, stem in enumerate(sorted({Path(name).stem for name, _ in items},
+                                                     key=_natural))}
     shares = [[it for it in items if stems[Path(it[0]).stem] % jobs == k] for k in range(jobs)]
     children = []
     for k in range(jobs):
@@ -116,6 +117,13 @@ def _write_forked(out: Path, items: list, jobs: int) -> list[Path]:
     if failure is not None:
         raise failure
     return [out / name for name, _ in items]
+
+
+def _natural(stem: str) -> tuple:
+    """``rank10`` after ``rank9``: the digits compared as a number."""
+    head = stem.rstrip("0123456789")
+    tail = stem[len(head):]
+    return (head, int(tail) if tail else -1)
 
 
 def _unpickled(data: bytes) -> BaseException:
