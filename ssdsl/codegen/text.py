@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ssdsl.ir.region import Region
+from ssdsl.ir.region import Region, by_identity
 
 # Names the generated module itself binds; a tensor must not shadow them.
 RESERVED = frozenset({"rt", "batch", "aten", "torch", "forward", "RANK", "WORLD", "SHARDS"})
@@ -82,14 +82,7 @@ def region_text(region: Region) -> str:
     >>> region_text(Region.box((8, 6), [(4, 8), (0, 6)]))
     '4:8 x 0:6'
     """
-    hit = _REGION_TEXT.get(id(region))
-    if hit is not None and hit[0] is region:
-        return hit[1]
-    if len(_REGION_TEXT) >= 1 << 16:
-        _REGION_TEXT.clear()
-    text = _region_text(region)
-    _REGION_TEXT[id(region)] = (region, text)
-    return text
+    return by_identity(_REGION_TEXT, region, _region_text)
 
 
 @functools.lru_cache(maxsize=1 << 14)  # a region's fields are ints: equal regions, equal text

@@ -10,6 +10,7 @@ code is refused as a whole. Generated ``rank*.py`` and ``rank*.program`` files t
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import tempfile
 from collections.abc import Callable, Mapping
@@ -78,8 +79,6 @@ def write_programs(folder: str | Path, texts: Mapping[str, str | Callable[[], st
 def _write_forked(out: Path, items: list, jobs: int) -> list[Path]:
     """Each of ``jobs`` forked children writes its share of ``items``; a child that fails sends its
     exception back through a pipe (pickled, or its text when it does not pickle)."""
-    import pickle
-
     # the files of one stem (rank3.py, rank3.program) go to one child, the stems dealt in turn
     stems = {stem: i for i, stem in enumerate(sorted({Path(name).stem for name, _ in items},
                                                      key=_natural))}
@@ -127,8 +126,6 @@ def _natural(stem: str) -> tuple:
 
 
 def _unpickled(data: bytes) -> BaseException:
-    import pickle
-
     text, exc = pickle.loads(data)
     try:
         return pickle.loads(exc) if exc is not None else RuntimeError(text)

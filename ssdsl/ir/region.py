@@ -282,3 +282,17 @@ def _local_range(ivs: Intervals, lo: int, hi: int) -> Intervals:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def by_identity(cache: dict, region: Region, make) -> str:
+    """``make(region)``, kept in ``cache`` by the object's identity (a plan asks the same few
+    region objects again and again; the object is held, so its id is not reused while kept;
+    the cache is emptied at 65,536 entries)."""
+    hit = cache.get(id(region))
+    if hit is not None and hit[0] is region:
+        return hit[1]
+    if len(cache) >= 1 << 16:
+        cache.clear()
+    text = make(region)
+    cache[id(region)] = (region, text)
+    return text

@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from ssdsl.errors import SsdslError
-from ssdsl.ir.region import Region
+from ssdsl.ir.region import Region, by_identity
 from ssdsl.lower.instr import BY_KIND, Coll, Msg, P2P, Program
 from ssdsl.ops.core import LocalCall, Slot
 from ssdsl.source import Span
@@ -132,14 +132,7 @@ _REGION_BY_ID: dict[int, tuple[Region, str]] = {}  # the few region objects, ask
 
 
 def _region_lit(v: Region) -> str:
-    hit = _REGION_BY_ID.get(id(v))
-    if hit is not None and hit[0] is v:
-        return hit[1]
-    if len(_REGION_BY_ID) >= 1 << 16:
-        _REGION_BY_ID.clear()
-    text = _region_value_lit(v)
-    _REGION_BY_ID[id(v)] = (v, text)
-    return text
+    return by_identity(_REGION_BY_ID, v, _region_value_lit)
 
 
 @functools.lru_cache(maxsize=1 << 16)
