@@ -2,10 +2,14 @@
 
     python bench/bench_cost.py measure      # writes ssdsl/cost/cpu.json (the `cpu` profile)
     python bench/bench_cost.py calibrate    # predicted vs measured gloo step times, 2 ranks
+    python bench/bench_cost.py ops MODEL    # per operator kind: predicted vs profiled, 1 rank
 
 ``measure`` times, on 2 gloo processes at once (a step runs its ranks together on the machine's
 cores), each with the threads a rank gets under ``ssdsl run --nproc 2``: float32/float64 matmul
-FLOP/s, memory bandwidth (a large copy), the fixed cost of a small operator (eager, and the ssdsl
+FLOP/s (a large square product, the peak; and the products of a training step, a stack of linear
+layers' forward and backward at four widths: ``matmul_curve``), a fused attention's FLOP/s
+(forward and backward, at three head dims: ``attention_curve``) and whether a causal mask
+halves its time, memory bandwidth (a large copy), the fixed cost of a small operator (eager, and the ssdsl
 executor's own), and the latency and bandwidth of all-reduce and send/recv, fitted together to
 the alpha-beta model (all-reduce of n bytes over 2 ranks: 2 alpha + n / beta; a message:
 alpha + n / beta). The collectives are timed as a step meets them, each call after a compute
@@ -21,6 +25,10 @@ step time (of each run's steps after the first, median over repeats, slowest ran
 ``ssdsl cost --device cpu`` (the profile is measured again right before each case, as the load of a shared machine
 changes within minutes; runs and profiles are kept in ``bench/cost_measured.json``, and
 ``--reuse`` predicts again from them without running). The machine is shared: every figure is a median of repeats.
+``ops`` says where a step's prediction is off: the plain model's forward and backward in one
+process (the threads of one rank), profiled by ``torch.profiler``, per ATen operator kind
+forward and per autograd node backward, beside the cost model's time for each kind (the
+``dp`` plan on one device, ``ssdsl.cost.work.operator_times``).
 """
 
 from __future__ import annotations
@@ -69,6 +77,51 @@ def copy_bandwidth(mb: int, repeats: int) -> float:
     a = torch.randn(mb * 2 ** 20 // 4)
     b = torch.empty_like(a)
     return 2 * a.numel() * 4 / _median_time(lambda: b.copy_(a), repeats=repeats)
+
+
+STEP_WIDTHS = (128, 256, 512, 1024)  # a linear stack's widths: products of 0.5-17 GFLOP
+HEAD_DIMS = (32, 64, 128)
+
+
+def step_matmul_rates(repeats: int, tokens: int = 2048) -> list[tuple[float, float]]:
+    """``(FLOPs of one product, FLOP/s)`` of matrix products as a training step runs them: the
+    forward and backward of a stack of linear layers (``d -> 4d -> d``, with bias, fresh
+    outputs, autograd keeping what it keeps), FLOPs counted as ``ssdsl.cost.ops`` counts them
+    (``2 M N K`` forward, twice that backward), at each of ``STEP_WIDTHS``. Below a large
+    square product's rate, and the more so the smaller the product."""
+    points = []
+    for d in STEP_WIDTHS:
+        net = torch.nn.Sequential(*[torch.nn.Linear(*io) for _ in range(2)
+                                    for io in ((d, 4 * d), (4 * d, d))])
+        x = torch.randn(tokens, d, requires_grad=True)
+        product = 2.0 * tokens * d * 4 * d
+        flops = 4 * 3 * product
+        points.append((product, flops / _median_time(lambda: net(x).sum().backward(),
+                                                     repeats=repeats)))
+    return points
+
+
+def attention_rates(repeats: int) -> tuple[list[tuple[float, float]], float]:
+    """(``(head dim, FLOP/s)`` of a fused attention's forward and backward at each of
+    ``HEAD_DIMS``, counted as ``ssdsl.cost.ops`` counts them: ``4 B H L S E`` forward, twice
+    that plus one more ``Q K^T`` backward; the causal step's time over the unmasked one's: near 1
+    when the kernel does not skip the masked half). 64 heads of 256 positions."""
+    import torch.nn.functional as F
+    points, ratio = [], 1.0
+    for e in HEAD_DIMS:
+        shape = (8, 8, 256, e)
+        q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+        flops = 4.0 * 8 * 8 * 256 * 256 * e
+        both = flops + 2 * flops + flops / 2
+
+        def step(causal: bool) -> None:
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+
+        full = _median_time(lambda: step(False), repeats=repeats)
+        points.append((float(e), both / full))
+        if e == 64:
+            ratio = _median_time(lambda: step(True), repeats=repeats) / full
+    return points, ratio
 
 
 def op_overheads(repeats: int) -> tuple[float, float]:
@@ -242,6 +295,8 @@ def _profile_worker(rank: int, port: int, repeats: int, out: str) -> None:
     together("f32", lambda: max(matmul_rate(torch.float32, n, repeats) for n in (256, 512, 1024)))
     together("f64", lambda: max(matmul_rate(torch.float64, n, repeats) for n in (256, 512)))
     together("bw", lambda: copy_bandwidth(64, repeats))
+    together("step_mm", lambda: step_matmul_rates(repeats))
+    together("attn", lambda: attention_rates(repeats))
     together("op", lambda: op_overheads(repeats))
     together("executor", lambda: executor_overhead(repeats))
     together("idle", lambda: _comm_rows(rank, repeats, in_step=False))
@@ -273,6 +328,11 @@ def measure_all(repeats: int) -> dict:
     slowest = {k: min(r[k] for r in per_rank) for k in ("f32", "f64", "bw")}
     slowest["op"] = [max(r["op"][i] for r in per_rank) for i in range(2)]
     slowest["executor"] = max(r["executor"] for r in per_rank)
+    slowest["step_mm"] = [(size, min(r["step_mm"][i][1] for r in per_rank))
+                          for i, (size, _) in enumerate(per_rank[0]["step_mm"])]
+    slowest["attn"] = [[(e, min(r["attn"][0][i][1] for r in per_rank))
+                        for i, (e, _) in enumerate(per_rank[0]["attn"][0])],
+                       max(r["attn"][1] for r in per_rank)]
     for k in ("idle", "in_step"):  # rank 0 times the whole exchange, as the others do
         slowest[k] = [tuple(row) for row in per_rank[0][k]]
     return slowest
@@ -298,8 +358,12 @@ def measure(args: argparse.Namespace) -> None:
             "inter_bw": beta, "inter_latency": alpha, "per_node": 1024,
             "compute_efficiency": 1.0, "memory_efficiency": 1.0, "op_overhead": op,
             "view_overhead": view, "param_overhead": eager,
-            # torch's CPU attention is fused (_scaled_dot_product_flash_attention_for_cpu)
-            "flash_attention": True,
+            # torch's CPU attention is fused (_scaled_dot_product_flash_attention_for_cpu);
+            # whether it skips a causal mask's half, and its rate, are measured
+            "flash_attention": True, "causal_skip": m["attn"][1] < 0.75,
+            # shares of the float32 peak (float64 products are taken to scale alike)
+            "matmul_curve": [[size, rate / m["f32"]] for size, rate in m["step_mm"]],
+            "attention_curve": [[e, rate / m["f32"]] for e, rate in m["attn"][0]],
             "source": f"measured by bench/bench_cost.py on this machine ({RANKS} ranks at once, "
                       f"{_threads()} threads per rank, gloo, collectives between computing "
                       f"ranks, {time.strftime('%Y-%m-%d')}, {STAT}s of {r})"}
@@ -376,6 +440,67 @@ def calibrate(args: argparse.Namespace) -> None:
               f"{r['measured_ms']:.1f} | {r['error']:+.0%} |")
 
 
+def ops(args: argparse.Namespace) -> None:
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ssdsl.cost import Cluster, CostOptions
+    from ssdsl.cost.ops import aten_name
+    from ssdsl.cost.profiles import cpu_profile
+    from ssdsl.cost.work import operator_times
+    from ssdsl.elaborate import elaborate_file
+    from ssdsl.materialize.program import materialize
+    from ssdsl.runtime.job import schedule_plan
+    from ssdsl.trace import trace
+    from ssdsl.trace.model_file import load_model_file
+
+    torch.set_num_threads(_threads())
+    mf = load_model_file(args.model)
+    t, lowered = schedule_plan(trace(mf, device="meta"), elaborate_file("dp", world=1))
+    m = materialize(t, schedule=lowered)
+    opts = CostOptions(profile=cpu_profile(), cluster=Cluster(1, 1))
+    fwd_pred, bwd_pred = Counter(), Counter()
+    for op, _part, fwd, bwd in operator_times(m, opts):
+        fwd_pred[aten_name(op.target)] += fwd
+        bwd_pred[aten_name(op.target)] += bwd or 0.0
+    model = mf.build()
+    inputs, target = mf.get_batch(0)
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+
+    def step() -> None:
+        mf.loss(model(*inputs), target).backward()
+        model.zero_grad(set_to_none=True)
+
+    whole = _median_time(step, repeats=args.repeats)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.repeats):
+            step()
+    fwd_meas, bwd_meas = Counter(), Counter()
+    node = "autograd::engine::evaluate_function: "
+    for e in prof.events():
+        if e.cpu_parent is not None:
+            continue
+        if e.name.startswith(node):
+            bwd_meas[e.name.removeprefix(node)] += e.cpu_time_total / 1e6 / args.repeats
+        elif e.name.startswith("aten::"):
+            fwd_meas[e.name.removeprefix("aten::")] += e.cpu_time_total / 1e6 / args.repeats
+    print(f"{args.model}: step (forward + backward, no optimizer) measured "
+          f"{whole * 1e3:.2f} ms, predicted {(sum(fwd_pred.values()) + sum(bwd_pred.values())) * 1e3:.2f} ms")
+    print(f"forward  predicted {sum(fwd_pred.values()) * 1e3:8.2f} ms, profiled "
+          f"{sum(fwd_meas.values()) * 1e3:8.2f} ms")
+    print(f"backward predicted {sum(bwd_pred.values()) * 1e3:8.2f} ms, profiled "
+          f"{sum(bwd_meas.values()) * 1e3:8.2f} ms")
+    print("forward, per ATen kind (ms): predicted  profiled")
+    for k in sorted(set(fwd_pred) | set(fwd_meas), key=lambda k: -max(fwd_pred[k], fwd_meas[k])):
+        print(f"  {k:34} {fwd_pred[k] * 1e3:9.3f} {fwd_meas[k] * 1e3:9.3f}")
+    print("backward predicted, per ATen kind (ms)    | backward profiled, per autograd node (ms)")
+    left = [f"{k:28} {v * 1e3:9.3f}" for k, v in bwd_pred.most_common() if v]
+    right = [f"{k:44} {v * 1e3:9.3f}" for k, v in bwd_meas.most_common()]
+    for i in range(max(len(left), len(right))):
+        print(f"  {left[i] if i < len(left) else '':40} | {right[i] if i < len(right) else ''}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -392,6 +517,10 @@ def main() -> None:
                    help=f"predict again against the runs saved in {MEASURED.name}")
     c.add_argument("--only", default=None, help="run only cases whose 'model:plan' contains it")
     c.set_defaults(func=calibrate)
+    o = sub.add_parser("ops")
+    o.add_argument("model")
+    o.add_argument("--repeats", type=int, default=5)
+    o.set_defaults(func=ops)
     a = p.parse_args()
     a.func(a)
 

@@ -8,6 +8,7 @@ import math
 import textwrap
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -70,14 +71,14 @@ def tiny_graph(tmp_path_factory):
     return trace(load_model_file(path), device="meta")
 
 
-def _works(graph, kind: str, plan: str = "dp", world: int = 1):
+def _works(graph, kind: str, plan: str = "dp", world: int = 1, **flags):
     t, _ = schedule_plan(graph, elaborate_file(plan, world=world, sets={}))
     out = []
     for op in graph.ops:
         if op.kind == kind:
             for part in t.parts[op.name]:
                 out.append(work_of(graph, op, t.annotations[op.name], part, itemsize=4,
-                                   flash=False))
+                                   **{"flash": False, **flags}))
     return out
 
 
@@ -96,6 +97,50 @@ def test_sdpa_flops_are_its_two_products(tiny_graph):
     d = C // H
     assert w.flops == 2 * (2 * B * H * T * T * d)
     assert w.bwd_flops == 2 * w.flops
+
+
+CAUSAL = MODEL.replace("F.scaled_dot_product_attention(q, k, v)",
+                       "F.scaled_dot_product_attention(q, k, v, is_causal=True)")
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_causal_attention_does_half_the_products_only_where_the_kernel_skips(tmp_path, skip):
+    path = tmp_path / "causal.py"
+    path.write_text(CAUSAL)
+    graph = trace(load_model_file(path), device="meta")
+    (w,) = _works(graph, "sdpa", flash=True, causal_skip=skip)
+    d = C // H
+    full = 2 * (2 * B * H * T * T * d)
+    assert w.flops == (full / 2 if skip else full)
+    assert w.attention and w.bwd_flops == 2 * w.flops + w.flops / 2  # + Q K^T recomputed
+
+
+def test_a_split_backward_writes_the_input_gradient(tiny_graph):
+    (w,) = _works(tiny_graph, "split")
+    assert w.view and w.flops == w.bytes == 0
+    assert w.bwd_bytes == 2 * B * T * 3 * C * 4  # the pieces read, the input's gradient written
+
+
+def test_gpu_attention_runs_at_the_matrix_rate_unless_measured():
+    a100 = profile("a100")
+    assert a100.attention_rate("float16") == a100.flops_rate("float16")
+    assert a100.skips_causal and not profile("v100").skips_causal
+    measured = attrs.evolve(a100, attention_efficiency=0.35, causal_skip=False)
+    assert measured.attention_rate("float16") == pytest.approx(0.35 * 312e12)
+    assert not measured.skips_causal
+
+
+def test_a_measured_curve_sets_the_rate_by_size():
+    flat = attrs.evolve(FLAT, matmul_curve=[[1e6, 0.2], [1e8, 0.6]],
+                        attention_curve=[(32, 0.25), (128, 0.5)])
+    peak = 1e12
+    assert flat.flops_rate("float32", 1e4) == pytest.approx(0.2 * peak)   # below: the end's
+    assert flat.flops_rate("float32", 1e7) == pytest.approx(0.4 * peak)   # halfway in log
+    assert flat.flops_rate("float32", 1e10) == pytest.approx(0.6 * peak)
+    assert flat.flops_rate("float32") == FLAT.flops_rate("float32") == peak
+    assert flat.attention_rate("float32", 64) == pytest.approx(0.375 * peak)
+    # a profile file's lists load as the same curve
+    assert DeviceProfile(**{**attrs.asdict(flat), "peak": {"float32": peak}}) == flat
 
 
 def test_dp_halves_the_flops_of_each_part(tiny_graph):

@@ -8,10 +8,15 @@ ATen name with ``@cost_rule`` as annotations are with ``ssdsl.ops.register``:
   textbook ``2 M N K`` with batch dims; backward twice the forward (the input and the weight
   gradient are one product each);
 - *convolution*: the same over ``(N, Co, Ci/groups, output positions, kernel)``; backward twice;
-- *attention* (sdpa): its two products, ``2 B H L S (E + Ev)``; backward twice, plus one more
-  ``Q K^T`` where a fused kernel recomputes the scores (``DeviceProfile.flash_attention``);
-  without a fused kernel the ``B H L S`` score matrix is written and read (bytes);
-- *views* (view, reshape, transpose, permute, split, expand, select, slice, ...): no work;
+- *attention* (sdpa): its two products, ``2 B H L S (E + Ev)``, half of them under a causal
+  mask where the kernel skips the masked blocks (``DeviceProfile.skips_causal``); backward twice,
+  plus one more ``Q K^T`` where a fused kernel recomputes the scores
+  (``DeviceProfile.flash_attention``); without a fused kernel the ``B H L S`` score matrix is
+  written and read (bytes); it runs at the attention rate (``DeviceProfile.attention_rate``);
+- *views* (view, reshape, transpose, permute, split, expand, select, slice, ...): no work
+  forward; backward, the pieces of a split are concatenated (their bytes written into the
+  input's gradient), a slice or a select writes a zero gradient of the whole input and copies
+  the piece into it, an expand sums over the expanded dims;
 - everything else (elementwise, normalization, softmax, reductions, embedding, losses, copies):
   memory-bound, the bytes of the part's inputs and outputs, a few FLOPs per output element;
   backward reads the output gradient and what was saved and writes the input gradient: twice the
@@ -50,6 +55,8 @@ class Work:
     saved: float = 0.0
     view: bool = False
     matmul: bool = False  # runs at the matrix rate (else the vector/memory rate)
+    attention: bool = False  # runs at the attention rate
+    head_dim: float = 0.0    # an attention's, for a profile's rate curve
 
     def __add__(self, other: Work) -> Work:
         return Work(self.flops + other.flops, self.bytes + other.bytes,
@@ -69,6 +76,7 @@ class OpContext:
     out_numel: float
     itemsize: int
     flash: bool
+    causal_skip: bool = False
 
 
 Rule = Callable[[OpContext], Work]
@@ -117,7 +125,7 @@ def sdpa_work(c: OpContext) -> Work:
     scores = batch * L * S
     causal = bool(c.op.kwargs_dict.get("is_causal", c.op.args[5] if len(c.op.args) > 5
                                        else False))
-    share = 0.5 if (causal and c.flash) else 1.0
+    share = 0.5 if (causal and c.causal_skip) else 1.0
     qk, pv = 2.0 * scores * E * share, 2.0 * scores * Ev * share
     moved = sum(c.in_bytes) + sum(c.out_bytes)
     saved = 0.0
@@ -125,14 +133,19 @@ def sdpa_work(c: OpContext) -> Work:
         moved += 3 * scores * c.itemsize
         saved = scores * c.itemsize
     bwd = 2 * (qk + pv) + (qk if c.flash else 0.0)
-    return Work(qk + pv, moved, bwd, 2 * moved, saved=saved, matmul=True)
+    return Work(qk + pv, moved, bwd, 2 * moved, saved=saved, matmul=True, attention=True,
+                head_dim=E)
 
 
 @cost_rule("cross_entropy_loss", "nll_loss")
 def loss_work(c: OpContext) -> Work:
     logits = c.in_bytes[0] if c.in_bytes else 0.0
-    # log-softmax over the classes: read, write, read again for the gather; kept for backward
-    return Work(5.0 * logits / c.itemsize, 3 * logits, 0.0, 2 * logits, saved=logits)
+    # log-softmax over the classes: read, write, read again for the gather; kept for backward.
+    # Backward: the NLL gradient is a zero tensor of the logits' shape with one entry a row
+    # (written), and the log-softmax backward reads it and the kept output and writes the
+    # logits' gradient (an exp an element).
+    elements = logits / c.itemsize
+    return Work(5.0 * elements, 3 * logits, 5.0 * elements, 4 * logits, saved=logits)
 
 
 @cost_rule("embedding")
@@ -148,12 +161,20 @@ def _memory_bound(c: OpContext) -> Work:
     return Work(4.0 * c.out_numel, moved, 8.0 * c.out_numel, 2 * moved)
 
 
+# views whose backward writes memory (module doc): split-like ones concatenate the pieces'
+# gradients; a slice or a select scatters its piece into a zero gradient of the whole input; an
+# expand sums the gradient over the expanded dims
+SPLIT_VIEWS = frozenset({"split", "chunk", "split_with_sizes", "unbind"})
+PIECE_VIEWS = frozenset({"slice", "select"})
+
+
 def work_of(graph: Graph, op: Op, ann: Annotation | None, part: Part, *, itemsize: int,
-            flash: bool) -> Work:
-    """The ``Work`` of ``part`` of ``op`` with floats of ``itemsize`` bytes."""
+            flash: bool, causal_skip: bool | None = None) -> Work:
+    """The ``Work`` of ``part`` of ``op`` with floats of ``itemsize`` bytes (``causal_skip``:
+    ``None`` is ``flash``)."""
     name = aten_name(op.target)
     if name in VIEW_KINDS:
-        return Work(view=True)
+        return _view_work(graph, op, part, name, itemsize)
     sizes = dict(ann.sizes()) if ann is not None else {}
     for label, (start, stop) in part.ranges:
         sizes[label] = stop - start
@@ -161,11 +182,26 @@ def work_of(graph: Graph, op: Op, ann: Annotation | None, part: Part, *, itemsiz
                 for t, r in zip(op.inputs, part.sub.inputs))
     outs = tuple(_bytes(graph, t, r, itemsize) for t, r in zip(op.outputs, part.sub.outputs))
     numel = float(sum(region_numel(r) for r in part.sub.outputs))
-    ctx = OpContext(op, ann, sizes, ins, outs, numel, itemsize, flash)
+    ctx = OpContext(op, ann, sizes, ins, outs, numel, itemsize, flash,
+                    flash if causal_skip is None else causal_skip)
     rule = _RULES.get(name)
     if rule is None or (ann is None and rule is not loss_work):
         return _memory_bound(ctx)
     return rule(ctx)
+
+
+def _view_work(graph: Graph, op: Op, part: Part, name: str, itemsize: int) -> Work:
+    if name in SPLIT_VIEWS:
+        out = sum(_bytes(graph, t, r, itemsize) for t, r in zip(op.outputs, part.sub.outputs))
+        return Work(bwd_bytes=2 * out, view=True)
+    if name in PIECE_VIEWS or name == "expand":
+        r_in = part.sub.inputs[0] if part.sub.inputs else None
+        whole = _bytes(graph, op.inputs[0], r_in, itemsize) if r_in is not None else 0.0
+        out = sum(_bytes(graph, t, r, itemsize) for t, r in zip(op.outputs, part.sub.outputs))
+        if name == "expand":  # read the expanded gradient, write the input's
+            return Work(bwd_bytes=out + whole, view=True)
+        return Work(bwd_bytes=whole + 2 * out, view=True)
+    return Work(view=True)
 
 
 def region_numel(region) -> int:

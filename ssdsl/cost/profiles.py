@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from types import MappingProxyType
@@ -42,6 +43,11 @@ class UnsupportedDtype(SsdslError):
     """The profile has no peak rate for the dtype asked for."""
 
 
+def _points(value: Any) -> tuple[tuple[float, float], ...]:
+    """Curve points from a profile file (lists) or code (tuples), sorted by size."""
+    return tuple(sorted((float(x), float(y)) for x, y in value or ()))
+
+
 @attrs.frozen(kw_only=True)
 class DeviceProfile:
     """One device kind.
@@ -53,8 +59,16 @@ class DeviceProfile:
     to what kernels reach; ``op_overhead``: fixed time per operator call (kernel launch, or eager
     dispatch on a CPU), ``view_overhead`` the same for an operator that moves no data (a view),
     ``param_overhead`` the optimizer's per tensor.
-    ``flash_attention``: attention kernels skip the masked half under a causal mask and keep no
-    score matrix (the math path on a CPU keeps it).
+    ``flash_attention``: attention kernels are fused: they keep no score matrix (the math path
+    writes and keeps it). ``causal_skip``: a fused kernel skips the masked half under a causal
+    mask (``None``: as ``flash_attention``; PyTorch's CPU kernel, measured, does not).
+    ``attention_efficiency``: the share of peak an attention kernel reaches (``None``: the
+    matrix kernels' ``compute_efficiency``); its products are many small ones, one per head, so
+    on a CPU it is far below a large matrix product's rate.
+    Measured profiles may give curves instead of one share: ``matmul_curve``, ``(FLOPs of one
+    product, share of peak)`` points (a small product runs below a large one's rate), and
+    ``attention_curve``, ``(head dim, share of peak)`` points; between points the share is
+    interpolated in the logarithm of the size, beyond the ends it is the end's.
     """
 
     name: str
@@ -72,6 +86,11 @@ class DeviceProfile:
     view_overhead: float = 0.0
     param_overhead: float = 1e-6  # per parameter tensor and optimizer state in the step
     flash_attention: bool = False
+    causal_skip: bool | None = None
+    attention_efficiency: float | None = None
+    matmul_curve: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_points)
+    attention_curve: tuple[tuple[float, float], ...] = attrs.field(default=(),
+                                                                   converter=_points)
     source: str = "datasheet"
 
     def peak_flops(self, dtype: str) -> float:
@@ -82,9 +101,25 @@ class DeviceProfile:
                                    hint=f"choose one of {', '.join(sorted(self.peak))}")
         return float(found)
 
-    def flops_rate(self, dtype: str) -> float:
-        """FLOP/s a matrix kernel reaches: peak times the compute efficiency."""
+    def flops_rate(self, dtype: str, flops: float | None = None) -> float:
+        """FLOP/s a matrix kernel reaches: peak times the compute efficiency, or times the
+        ``matmul_curve``'s share for a product of ``flops``."""
+        if self.matmul_curve and flops:
+            return self.peak_flops(dtype) * _on_curve(self.matmul_curve, flops)
         return self.peak_flops(dtype) * self.compute_efficiency
+
+    def attention_rate(self, dtype: str, head_dim: float | None = None) -> float:
+        """FLOP/s an attention kernel reaches (its products counted as ``ssdsl.cost.ops`` does)."""
+        if self.attention_curve and head_dim:
+            return self.peak_flops(dtype) * _on_curve(self.attention_curve, head_dim)
+        share = self.compute_efficiency if self.attention_efficiency is None \
+            else self.attention_efficiency
+        return self.peak_flops(dtype) * share
+
+    @property
+    def skips_causal(self) -> bool:
+        """Whether attention under a causal mask does half the products."""
+        return self.flash_attention if self.causal_skip is None else self.causal_skip
 
     def bytes_rate(self) -> float:
         """Bytes/s a memory-bound kernel reaches."""
@@ -94,6 +129,17 @@ class DeviceProfile:
         d = attrs.asdict(self)
         d["peak"] = dict(self.peak)
         return d
+
+
+def _on_curve(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """The share at ``x``: interpolated in log x between the points, the end's beyond them."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0)
+            return y0 + f * (y1 - y0)
+    return points[-1][1]
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -160,11 +160,38 @@ def recomputed_regions(m: Materialized) -> dict[tuple[int, str, tuple[int, ...]]
 
 def _part_time(w: Work, opts: CostOptions, *, backward: bool) -> float:
     p = opts.profile
-    if w.view:
-        return p.view_overhead
+    if w.view:  # a view moves nothing forward; some views' backward writes the input's gradient
+        return p.view_overhead + (w.bwd_bytes / p.bytes_rate() if backward else 0.0)
     flops, moved = (w.bwd_flops, w.bwd_bytes) if backward else (w.flops, w.bytes)
-    rate = p.flops_rate(opts.dtype) if w.matmul else p.peak_flops(opts.dtype)
+    # a backward's products are each the size of the forward's: the rate is read at that size
+    rate = p.attention_rate(opts.dtype, w.head_dim) if w.attention else \
+        p.flops_rate(opts.dtype, w.flops) if w.matmul else p.peak_flops(opts.dtype)
     return p.op_overhead + max(flops / rate, moved / p.bytes_rate())
+
+
+def part_work(g, op, ann: Annotation | None, part, opts: CostOptions, grads: set[str]) -> Work:
+    """The work of one part of ``op`` as the device of ``opts`` runs it (``grads``: the tensors
+    whose gradient the backward computes)."""
+    w = work_of(g, op, ann, part, itemsize=opts.itemsize, flash=opts.profile.flash_attention,
+                causal_skip=opts.profile.skips_causal)
+    return _matmul_grad_share(w, op, grads) if w.matmul else w
+
+
+def operator_times(m: Materialized, opts: CostOptions):
+    """``(op, part, forward seconds, backward seconds or None)`` for every part of every
+    operator, as the cost model times them (``bench/bench_cost.py ops`` sets them beside a
+    profiled step)."""
+    t = m.transformed
+    g = t.graph
+    grads = loss_grad_tensors(g)
+    for op in g.ops:
+        ann = t.annotations[op.name]
+        ann = ann if isinstance(ann, Annotation) else None
+        needs_bwd = any(x in grads for x in op.outputs)
+        for part in t.parts[op.name]:
+            w = part_work(g, op, ann, part, opts, grads)
+            yield (op, part, _part_time(w, opts, backward=False),
+                   _part_time(w, opts, backward=True) if needs_bwd else None)
 
 
 def _compute(m: Materialized, opts: CostOptions, units) -> None:
@@ -195,10 +222,7 @@ def _compute(m: Materialized, opts: CostOptions, units) -> None:
         is_view = aten_name(op.target) in VIEW_KINDS
         for part in t.parts[op.name]:
             region = regions.get((part.device, op.name, tuple(part.index)))
-            w = work_of(g, op, ann, part, itemsize=opts.itemsize,
-                        flash=opts.profile.flash_attention)
-            if w.matmul:
-                w = _matmul_grad_share(w, op, grads)
+            w = part_work(g, op, ann, part, opts, grads)
             u = units[(part.device, stage)]
             fwd = _part_time(w, opts, backward=False)
             u["fwd_compute"] += fwd
