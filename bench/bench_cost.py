@@ -8,7 +8,7 @@
 cores), each with the threads a rank gets under ``ssdsl run --nproc 2``: float32/float64 matmul
 FLOP/s (a large square product, the peak; and the products of a training step, a stack of linear
 layers' forward and backward at four widths: ``matmul_curve``), a fused attention's FLOP/s
-(forward and backward, at three head dims: ``attention_curve``) and whether a causal mask
+(forward and backward, at four sequence lengths: ``attention_curve``) and whether a causal mask
 halves its time, memory bandwidth (a large copy), the fixed cost of a small operator (eager, and the ssdsl
 executor's own), and the latency and bandwidth of all-reduce and send/recv, fitted together to
 the alpha-beta model (all-reduce of n bytes over 2 ranks: 2 alpha + n / beta; a message:
@@ -80,7 +80,7 @@ def copy_bandwidth(mb: int, repeats: int) -> float:
 
 
 STEP_WIDTHS = (128, 256, 512, 1024)  # a linear stack's widths: products of 0.5-17 GFLOP
-HEAD_DIMS = (32, 64, 128)
+SEQ_LENS = (64, 128, 256, 512)
 
 
 def step_matmul_rates(repeats: int, tokens: int = 2048) -> list[tuple[float, float]]:
@@ -102,24 +102,25 @@ def step_matmul_rates(repeats: int, tokens: int = 2048) -> list[tuple[float, flo
 
 
 def attention_rates(repeats: int) -> tuple[list[tuple[float, float]], float]:
-    """(``(head dim, FLOP/s)`` of a fused attention's forward and backward at each of
-    ``HEAD_DIMS``, counted as ``ssdsl.cost.ops`` counts them: ``4 B H L S E`` forward, twice
-    that plus one more ``Q K^T`` backward; the causal step's time over the unmasked one's: near 1
-    when the kernel does not skip the masked half). 64 heads of 256 positions."""
+    """(``(score elements per head L S, FLOP/s)`` of a fused attention's forward and backward at
+    each of ``SEQ_LENS`` (head dim 64; fewer heads for longer sequences), counted as
+    ``ssdsl.cost.ops`` counts them: ``4 B H L S E`` forward, twice that plus one more ``Q K^T``
+    backward; the causal step's time over the unmasked one's at 256 positions: near 1 when the
+    kernel does not skip the masked half)."""
     import torch.nn.functional as F
     points, ratio = [], 1.0
-    for e in HEAD_DIMS:
-        shape = (8, 8, 256, e)
+    for seq, heads in zip(SEQ_LENS, (256, 128, 64, 16)):
+        shape = (heads // 8, 8, seq, 64)
         q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-        flops = 4.0 * 8 * 8 * 256 * 256 * e
+        flops = 4.0 * heads * seq * seq * 64
         both = flops + 2 * flops + flops / 2
 
         def step(causal: bool) -> None:
             F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
 
         full = _median_time(lambda: step(False), repeats=repeats)
-        points.append((float(e), both / full))
-        if e == 64:
+        points.append((float(seq * seq), both / full))
+        if seq == 256:
             ratio = _median_time(lambda: step(True), repeats=repeats) / full
     return points, ratio
 
@@ -363,7 +364,7 @@ def measure(args: argparse.Namespace) -> None:
             "flash_attention": True, "causal_skip": m["attn"][1] < 0.75,
             # shares of the float32 peak (float64 products are taken to scale alike)
             "matmul_curve": [[size, rate / m["f32"]] for size, rate in m["step_mm"]],
-            "attention_curve": [[e, rate / m["f32"]] for e, rate in m["attn"][0]],
+            "attention_curve": [[n, rate / m["f32"]] for n, rate in m["attn"][0]],
             "source": f"measured by bench/bench_cost.py on this machine ({RANKS} ranks at once, "
                       f"{_threads()} threads per rank, gloo, collectives between computing "
                       f"ranks, {time.strftime('%Y-%m-%d')}, {STAT}s of {r})"}

@@ -113,6 +113,7 @@ def test_causal_attention_does_half_the_products_only_where_the_kernel_skips(tmp
     full = 2 * (2 * B * H * T * T * d)
     assert w.flops == (full / 2 if skip else full)
     assert w.attention and w.bwd_flops == 2 * w.flops + w.flops / 2  # + Q K^T recomputed
+    assert w.scores == T * T
 
 
 def test_a_split_backward_writes_the_input_gradient(tiny_graph):
@@ -132,13 +133,13 @@ def test_gpu_attention_runs_at_the_matrix_rate_unless_measured():
 
 def test_a_measured_curve_sets_the_rate_by_size():
     flat = attrs.evolve(FLAT, matmul_curve=[[1e6, 0.2], [1e8, 0.6]],
-                        attention_curve=[(32, 0.25), (128, 0.5)])
+                        attention_curve=[(64 ** 2, 0.25), (256 ** 2, 0.5)])
     peak = 1e12
     assert flat.flops_rate("float32", 1e4) == pytest.approx(0.2 * peak)   # below: the end's
     assert flat.flops_rate("float32", 1e7) == pytest.approx(0.4 * peak)   # halfway in log
     assert flat.flops_rate("float32", 1e10) == pytest.approx(0.6 * peak)
     assert flat.flops_rate("float32") == FLAT.flops_rate("float32") == peak
-    assert flat.attention_rate("float32", 64) == pytest.approx(0.375 * peak)
+    assert flat.attention_rate("float32", 128 ** 2) == pytest.approx(0.375 * peak)
     # a profile file's lists load as the same curve
     assert DeviceProfile(**{**attrs.asdict(flat), "peak": {"float32": peak}}) == flat
 

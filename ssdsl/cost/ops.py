@@ -56,7 +56,7 @@ class Work:
     view: bool = False
     matmul: bool = False  # runs at the matrix rate (else the vector/memory rate)
     attention: bool = False  # runs at the attention rate
-    head_dim: float = 0.0    # an attention's, for a profile's rate curve
+    scores: float = 0.0      # an attention's score elements per head (L S): a rate curve's size
 
     def __add__(self, other: Work) -> Work:
         return Work(self.flops + other.flops, self.bytes + other.bytes,
@@ -134,7 +134,7 @@ def sdpa_work(c: OpContext) -> Work:
         saved = scores * c.itemsize
     bwd = 2 * (qk + pv) + (qk if c.flash else 0.0)
     return Work(qk + pv, moved, bwd, 2 * moved, saved=saved, matmul=True, attention=True,
-                head_dim=E)
+                scores=float(L * S))
 
 
 @cost_rule("cross_entropy_loss", "nll_loss")

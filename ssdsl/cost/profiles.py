@@ -67,7 +67,8 @@ class DeviceProfile:
     on a CPU it is far below a large matrix product's rate.
     Measured profiles may give curves instead of one share: ``matmul_curve``, ``(FLOPs of one
     product, share of peak)`` points (a small product runs below a large one's rate), and
-    ``attention_curve``, ``(head dim, share of peak)`` points; between points the share is
+    ``attention_curve``, ``(score elements per head, L S; share of peak)`` points (short
+    sequences run below long ones' rate); between points the share is
     interpolated in the logarithm of the size, beyond the ends it is the end's.
     """
 
@@ -108,10 +109,11 @@ class DeviceProfile:
             return self.peak_flops(dtype) * _on_curve(self.matmul_curve, flops)
         return self.peak_flops(dtype) * self.compute_efficiency
 
-    def attention_rate(self, dtype: str, head_dim: float | None = None) -> float:
-        """FLOP/s an attention kernel reaches (its products counted as ``ssdsl.cost.ops`` does)."""
-        if self.attention_curve and head_dim:
-            return self.peak_flops(dtype) * _on_curve(self.attention_curve, head_dim)
+    def attention_rate(self, dtype: str, scores: float | None = None) -> float:
+        """FLOP/s an attention kernel reaches (its products counted as ``ssdsl.cost.ops`` does),
+        on the ``attention_curve`` at ``scores`` score elements per head if the profile has one."""
+        if self.attention_curve and scores:
+            return self.peak_flops(dtype) * _on_curve(self.attention_curve, scores)
         share = self.compute_efficiency if self.attention_efficiency is None \
             else self.attention_efficiency
         return self.peak_flops(dtype) * share

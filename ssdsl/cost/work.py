@@ -164,7 +164,7 @@ def _part_time(w: Work, opts: CostOptions, *, backward: bool) -> float:
         return p.view_overhead + (w.bwd_bytes / p.bytes_rate() if backward else 0.0)
     flops, moved = (w.bwd_flops, w.bwd_bytes) if backward else (w.flops, w.bytes)
     # a backward's products are each the size of the forward's: the rate is read at that size
-    rate = p.attention_rate(opts.dtype, w.head_dim) if w.attention else \
+    rate = p.attention_rate(opts.dtype, w.scores) if w.attention else \
         p.flops_rate(opts.dtype, w.flops) if w.matmul else p.peak_flops(opts.dtype)
     return p.op_overhead + max(flops / rate, moved / p.bytes_rate())
 
