@@ -509,8 +509,8 @@ def main() -> None:
     m.add_argument("--repeats", type=int, default=15)
     m.set_defaults(func=measure)
     c = sub.add_parser("calibrate")
-    c.add_argument("--repeats", type=int, default=3)
-    c.add_argument("--steps", type=int, default=12)
+    c.add_argument("--repeats", type=int, default=5)
+    c.add_argument("--steps", type=int, default=16)
     c.add_argument("--profile-repeats", type=int, default=7)
     c.add_argument("--profile", choices=("each", "once"), default="each",
                    help="measure the profile before each case (a loaded machine) or once")
