@@ -9,7 +9,8 @@ cores), each with the threads a rank gets under ``ssdsl run --nproc 2``: float32
 FLOP/s (a large square product, the peak; and the products of a training step, a stack of linear
 layers' forward and backward at four widths: ``matmul_curve``), a fused attention's FLOP/s
 (forward and backward, at four sequence lengths: ``attention_curve``) and whether a causal mask
-halves its time, memory bandwidth (a large copy), the fixed cost of a small operator (eager, and the ssdsl
+halves its time, the share of an all-reduce's time that compute beside it hides
+(``comm_overlap``), memory bandwidth (a large copy), the fixed cost of a small operator (eager, and the ssdsl
 executor's own), and the latency and bandwidth of all-reduce and send/recv, fitted together to
 the alpha-beta model (all-reduce of n bytes over 2 ranks: 2 alpha + n / beta; a message:
 alpha + n / beta). The collectives are timed as a step meets them, each call after a compute
@@ -280,6 +281,36 @@ def _comm_rows(rank: int, repeats: int, *, in_step: bool) -> list[tuple[str, int
     return rows
 
 
+def comm_overlap(repeats: int, nbytes: int = 4 << 20) -> float:
+    """The share of an all-reduce's time hidden by compute running beside it, as gradient
+    buckets run beside the last backward: an asynchronous all-reduce of ``nbytes`` started
+    before a run of products about as long, waited for after them, against the two one after
+    the other (``(compute + all-reduce - both) / all-reduce``, clamped to [0, 1])."""
+    import torch.distributed as dist
+    buf = torch.zeros(nbytes // 4)
+    comm = _median_time(lambda: dist.all_reduce(buf), repeats=repeats)
+    a = torch.randn(256, 256)
+    k = 1
+
+    def products() -> None:
+        for _ in range(k):
+            torch.mm(a, a)
+
+    while _median_time(products, repeats=3) < comm and k < 4096:
+        k *= 2
+    dist.barrier()
+    compute = _median_time(products, repeats=repeats)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        products()
+        work.wait()
+
+    dist.barrier()
+    together = _median_time(both, repeats=repeats)
+    return min(1.0, max(0.0, (compute + comm - together) / comm))
+
+
 def _profile_worker(rank: int, port: int, repeats: int, out: str) -> None:
     """Every micro-benchmark, on ``RANKS`` processes at once: a step runs its ranks together on
     the machine's cores, so the rates are measured with the other rank busy beside this one."""
@@ -302,6 +333,7 @@ def _profile_worker(rank: int, port: int, repeats: int, out: str) -> None:
     together("executor", lambda: executor_overhead(repeats))
     together("idle", lambda: _comm_rows(rank, repeats, in_step=False))
     together("in_step", lambda: _comm_rows(rank, repeats, in_step=True))
+    together("overlap", lambda: comm_overlap(repeats))
     Path(f"{out}.{rank}").write_text(json.dumps(res))
     dist.destroy_process_group()
 
@@ -329,6 +361,7 @@ def measure_all(repeats: int) -> dict:
     slowest = {k: min(r[k] for r in per_rank) for k in ("f32", "f64", "bw")}
     slowest["op"] = [max(r["op"][i] for r in per_rank) for i in range(2)]
     slowest["executor"] = max(r["executor"] for r in per_rank)
+    slowest["overlap"] = min(r["overlap"] for r in per_rank)
     slowest["step_mm"] = [(size, min(r["step_mm"][i][1] for r in per_rank))
                           for i, (size, _) in enumerate(per_rank[0]["step_mm"])]
     slowest["attn"] = [[(e, min(r["attn"][0][i][1] for r in per_rank))
@@ -362,6 +395,7 @@ def measure(args: argparse.Namespace) -> None:
             # torch's CPU attention is fused (_scaled_dot_product_flash_attention_for_cpu);
             # whether it skips a causal mask's half, and its rate, are measured
             "flash_attention": True, "causal_skip": m["attn"][1] < 0.75,
+            "comm_overlap": m["overlap"],
             # shares of the float32 peak (float64 products are taken to scale alike)
             "matmul_curve": [[size, rate / m["f32"]] for size, rate in m["step_mm"]],
             "attention_curve": [[n, rate / m["f32"]] for n, rate in m["attn"][0]],

@@ -361,3 +361,62 @@ def test_forward_only_recycling_passes_keep_no_activations():
             assert c.activations == 0 and c.bwd_compute == 0 and c.fwd_compute > 0
         else:
             assert c.activations > 0 and c.bwd_compute > 0
+
+
+@pytest.mark.parametrize("hidden", [1.0, 0.0])
+def test_overlapped_bucket_parts_run_beside_the_last_backward(hidden):
+    # one device, one micro-batch: forward 1 s, backward 10 s (from 1 to 11); a first part
+    # final halfway through the backward (2 s), a second final at its end (3 s), then a
+    # bucket that is not overlapped (4 s)
+    s = one_f_one_b(1, 1)
+    costs = attrs.evolve(_uniform(s, fwd=1.0, bwd=10.0), reducer={0: 4.0},
+                         overlapped={0: ((0.5, 2.0), (1.0, 3.0))})
+    prof = attrs.evolve(FLAT, comm_overlap=hidden)
+    r = simulate_costs(costs, s, ((0,),), CostOptions(profile=prof, cluster=Cluster(1, 8)))
+    # the first part runs from 6 to 8 beside the backward; the second from 11 to 14
+    assert r.makespan == pytest.approx(11.0)
+    assert r.reducer_time == pytest.approx(3.0 + 4.0 + (1 - hidden) * 2.0)
+    assert r.devices[0].communication == pytest.approx(2.0 + 3.0 + 4.0)
+
+
+def test_a_device_that_ends_its_backward_early_reduces_its_bucket_meanwhile():
+    # 1F1B over 2 stages: stage 1's last backward ends one backward before stage 0's
+    s = one_f_one_b(2, 2)
+    costs = attrs.evolve(_uniform(s), reducer={0: 0.0, 1: 1.5})
+    r = simulate_costs(costs, s, ((0,), (1,)), CostOptions(profile=FLAT, cluster=Cluster(2, 8)))
+    assert r.makespan == pytest.approx(3.0 * 3)
+    assert r.reducer_time == 0.0  # 1.5 s inside the 2 s stage 0 still computes
+
+
+SMALL = EXAMPLES.parent / "bench" / "gpt_small.py"
+
+
+@pytest.mark.parametrize("plan, world, sets", [
+    ("dp", 2, {}), ("dp_tp_1f1b", 8, {"dp": "2", "tp": "2", "pp": "2"}), ("dp_zero", 2, {})])
+def test_the_cost_model_overlaps_the_buckets_the_executor_overlaps(plan, world, sets):
+    """What the cost model reduces during the last backward is what the runtime's own rule
+    picks on each rank's lowered program (bench/gpt_small.py: a 14 MiB gradient)."""
+    from ssdsl.cost.work import _executor_overlap
+    from ssdsl.lower import lower_rank
+    from ssdsl.runtime.overlap import overlap_plan
+
+    graph = trace(load_model_file(SMALL), device="meta")
+    t, lowered = schedule_plan(graph, elaborate_file(plan, world=world, sets=sets))
+    m = materialize(t, schedule=lowered)
+    costs = plan_costs(m, CostOptions(profile=FLAT, cluster=Cluster(world, 8)))
+    seen = 0
+    for d in range(world):
+        program = lower_rank(m, d)
+        reduces = {ins.bucket: ins for ins in program.instructions if ins.kind == "reduce"}
+        nbytes = {e: e[1].numel() * 4 for ins in reduces.values() for e in ins.entries}
+        run = overlap_plan(program, nbytes)
+        want = [tuple(reduces[b].entries[j] for j in pos)
+                for b, parts in (run.parts.items() if run else ()) for pos in parts]
+        mine = m.reducer.buckets_of(d)
+        split, _whole = _executor_overlap(m, d, mine, nbytes)
+        got = [tuple(mine[i].entries[j] for j in pos) for i, parts in split.items()
+               for pos in parts]
+        assert got == want
+        assert len(costs.overlapped[d]) == len(want)
+        seen += len(want)
+    assert seen or plan == "dp_zero"

@@ -65,6 +65,9 @@ class DeviceProfile:
     ``attention_efficiency``: the share of peak an attention kernel reaches (``None``: the
     matrix kernels' ``compute_efficiency``); its products are many small ones, one per head, so
     on a CPU it is far below a large matrix product's rate.
+    ``comm_overlap``: the share of a collective's time that compute running beside it hides
+    (gradient buckets reduced during the last backward): GPUs run NCCL beside the kernels
+    (an assumption: 1); on a CPU gloo takes the cores the backward runs on (measured).
     Measured profiles may give curves instead of one share: ``matmul_curve``, ``(FLOPs of one
     product, share of peak)`` points (a small product runs below a large one's rate), and
     ``attention_curve``, ``(score elements per head, L S; share of peak)`` points (short
@@ -87,6 +90,7 @@ class DeviceProfile:
     view_overhead: float = 0.0
     param_overhead: float = 1e-6  # per parameter tensor and optimizer state in the step
     flash_attention: bool = False
+    comm_overlap: float = 1.0
     causal_skip: bool | None = None
     attention_efficiency: float | None = None
     matmul_curve: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_points)
@@ -198,7 +202,7 @@ H100 = DeviceProfile(
 CPU_DEFAULT = DeviceProfile(
     name="cpu", peak={"float32": 50e9, "float64": 25e9}, memory=16 * GB, memory_bw=5 * GB,
     intra_bw=1 * GB, intra_latency=100e-6, inter_bw=0.1 * GB, inter_latency=200e-6,
-    per_node=1024, op_overhead=20e-6, view_overhead=5e-6, flash_attention=True,
+    per_node=1024, op_overhead=20e-6, view_overhead=5e-6, flash_attention=True, comm_overlap=0.0,
     source="default (not measured: run bench/bench_cost.py)")
 
 GPUS = {p.name: p for p in (V100, A100, H100)}

@@ -126,7 +126,11 @@ def simulate_costs(costs: PlanCosts, schedule: Schedule, groups: tuple[tuple[int
     ranks = len(groups)
     bubble = 1 - busy / (ranks * makespan) if makespan else 0.0
     devices = tuple(d for g in groups for d in g)
-    reducer = max((costs.reducer.get(d, 0.0) for d in devices), default=0.0)
+    # each device reduces its gradients after its own last backward (some parts during it):
+    # the step's reducer time is what the last of them adds beyond the pipeline
+    finish = max((_reduced_at(costs, intervals, r, d, opts.profile.comm_overlap)
+                  for r, g in enumerate(groups) for d in g), default=0.0)
+    reducer = max(finish - makespan, 0.0)
     optimizer = max((costs.optimizer.get(d, 0.0) for d in devices), default=0.0)
     loss = loss_reduce_time(opts, devices) if costs.loss_collective and len(devices) > 1 else 0.0
     step = makespan + reducer + optimizer + loss
@@ -134,6 +138,24 @@ def simulate_costs(costs: PlanCosts, schedule: Schedule, groups: tuple[tuple[int
                     for d in sorted(devices))
     return CostReport(step, makespan, bubble, reducer, optimizer, reports, tuple(intervals),
                       schedule, groups, opts)
+
+
+def _reduced_at(costs: PlanCosts, intervals: list[Interval], rank: int, d: int,
+                hidden: float) -> float:
+    """When device ``d`` (on pipeline rank ``rank``) has reduced every gradient bucket. The
+    parts overlapped with its last backward (``PlanCosts.overlapped``) start, one after another,
+    once their gradients are final; the share ``hidden`` of the time they run beside that
+    backward is hidden by it (``DeviceProfile.comm_overlap``), the rest is added; the other
+    buckets follow."""
+    last = max((iv for iv in intervals if iv.rank == rank and iv.unit.kind is not Pass.F),
+               key=lambda iv: iv.end, default=None)
+    start, end = (last.start, last.end) if last is not None else (0.0, 0.0)
+    t, beside = start, 0.0
+    for ready, seconds in costs.overlapped.get(d, ()):
+        begin = max(start + ready * (end - start), t)
+        t = begin + seconds
+        beside += max(0.0, min(t, end) - begin)
+    return max(t, end) + (1 - hidden) * beside + costs.reducer.get(d, 0.0)
 
 
 class _Sim(UnitWalk):
@@ -193,7 +215,7 @@ def _device_report(costs: PlanCosts, schedule: Schedule, groups, intervals, d: i
     rank = next(r for r, g in enumerate(groups) if d in g)
     static = costs.memory.get(d, StaticMemory(0.0, 0.0, 0.0))
     compute = flops = 0.0
-    comm = costs.reducer.get(d, 0.0) + loss
+    comm = costs.reducer.get(d, 0.0) + sum(t for _, t in costs.overlapped.get(d, ())) + loss
     live = peak_act = 0.0
     timeline = [(0.0, static.total)]
     for iv in (iv for iv in intervals if iv.rank == rank):

@@ -27,10 +27,12 @@ from ssdsl.cost.profiles import Cluster, DeviceProfile
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.lower import lower_rank
+from ssdsl.lower.build import classes_of
 from ssdsl.lower.build import loss_collective
 from ssdsl.materialize.program import Materialized
 from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
 from ssdsl.ops import Annotation
+from ssdsl.runtime.overlap import overlap_plan, overlapped_buckets
 
 ITEMSIZE = {"float64": 8, "float32": 4, "tfloat32": 4, "float16": 2, "bfloat16": 2}
 # Optimizer state per parameter element, in fp32 values: SGD without momentum keeps none.
@@ -87,6 +89,10 @@ class PlanCosts:
     # whether the step ends with a collective of its own for the loss (as the lowering decides:
     # not when every rank holds the whole loss, nor when it rides in a gradient bucket)
     loss_collective: bool = True
+    # device -> the bucket parts it all-reduces during its last backward, in the order they
+    # start, each (share of that backward done when its gradients are final, seconds);
+    # ``reducer`` holds the other buckets, reduced after it
+    overlapped: Mapping[int, tuple[tuple[float, float], ...]] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -111,10 +117,10 @@ def plan_costs(m: Materialized, opts: CostOptions) -> PlanCosts:
     units: dict[tuple[int, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     _compute(m, opts, units)
     fwd_delay, bwd_delay = _adapters(m, opts, units)
-    memory, reducer, optimizer = _static(m, opts, devices)
+    memory, reducer, optimizer, overlapped = _static(m, opts, devices)
     frozen = {k: UnitCost(**v) for k, v in units.items()}
     return PlanCosts(frozen, fwd_delay, bwd_delay, reducer, optimizer, memory, devices,
-                     loss_collective(m))
+                     loss_collective(m), overlapped)
 
 
 # ------------------------------------------------------------------------------ compute
@@ -429,13 +435,70 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
         reducer[d] = 0.0
     scale = opts.itemsize / m.dtype.itemsize
     sets = {b.devices for b in m.reducer.buckets}
-    for bucket in m.reducer.buckets:
-        link = link_for(bucket.devices, p, opts.cluster,
-                        sharing=_concurrent_sets(bucket.devices, sets, opts.cluster))
-        time = _bucket_time(bucket, bucket.size * scale, link)
-        for d in bucket.devices:
-            reducer[d] = reducer.get(d, 0.0) + time
-    return memory, reducer, optimizer
+    links = {b.devices: link_for(b.devices, p, opts.cluster,
+                                 sharing=_concurrent_sets(b.devices, sets, opts.cluster))
+             for b in m.reducer.buckets}
+    overlapped: dict[int, tuple[tuple[float, float], ...]] = {}
+    for d in devices:
+        mine = m.reducer.buckets_of(d)
+        nbytes = {e: e[1].numel() * b.itemsize for b in mine for e in b.entries}
+        split, whole = _executor_overlap(m, d, mine, nbytes)
+        overlapped[d] = _overlapped_parts(mine, split, nbytes, scale, links, at_end=not whole)
+        for i, bucket in enumerate(mine):
+            if i not in split:
+                reducer[d] += _bucket_time(bucket, bucket.size * scale, links[bucket.devices])
+    return memory, reducer, optimizer, overlapped
+
+
+def _executor_overlap(m: Materialized, d: int, mine, nbytes) -> tuple[dict, bool]:
+    """(the buckets of device ``d`` the executor reduces in parts during its last backward,
+    by position among ``mine``, with their parts; whether that last backward instruction is
+    its unit's whole backward). The runtime's own rule (``ssdsl.runtime.overlap``) read on the
+    program of ``d``'s rank class (its shape is the class's; ``d``'s buckets are the ones at
+    the same positions). Where a unit's backward is cut by communication (tensor
+    parallelism), only its last piece runs with the hooks on: a part whose weights got their
+    gradients before it starts when the backward ends."""
+    if not overlapped_buckets(mine, nbytes):  # what no program of these buckets could split
+        return {}, True
+    program = classes_of(m).representative(d)
+    reduces = [ins for ins in program.instructions if ins.kind == "reduce"]
+    item = mine[0].itemsize  # the runtime sizes parts by the run dtype's gradient bytes
+    sizes = {e: e[1].numel() * item for ins in reduces for e in ins.entries}
+    run = overlap_plan(program, sizes)
+    if run is None:
+        return {}, True
+    position = {ins.bucket: i for i, ins in enumerate(reduces)}
+    split = {position[b]: parts for b, parts in run.parts.items()}
+    kinds = [ins.kind for ins in program.instructions]
+    begin = max(i for i, k in enumerate(kinds) if k == "begin")
+    pieces = sum(1 for k in kinds[begin:] if k in ("backward", "backward_weight"))
+    return split, pieces <= 1
+
+
+def _overlapped_parts(buckets, split: Mapping[int, tuple[tuple[int, ...], ...]],
+                      nbytes: Mapping, scale: float, links, *, at_end: bool = False
+                      ) -> tuple[tuple[float, float], ...]:
+    """Each overlapped part's (share of the last backward done when its gradients are final,
+    all-reduce seconds), in the order the executor starts them (``ssdsl.runtime.overlap``).
+    The backward reaches the weights in the reverse of the order the forward reads them (the
+    buckets' order, and their entries'); the share is estimated by gradient bytes: a weight's
+    gradient is final once the backward has got through it and every weight read after it."""
+    order = [e for b in buckets for e in b.entries]
+    total = float(sum(nbytes[e] for e in order)) or 1.0
+    after: dict = {}
+    acc = 0.0
+    for e in reversed(order):
+        acc += nbytes[e]
+        after[e] = acc
+    out = []
+    for i, parts in split.items():
+        b = buckets[i]
+        for pos in parts:
+            entries = [b.entries[j] for j in pos]
+            ready = 1.0 if at_end else max(after[e] for e in entries) / total
+            size = sum(nbytes[e] for e in entries) * scale
+            out.append((ready, all_reduce_time(len(b.devices), size, links[b.devices])))
+    return tuple(out)
 
 
 def _zero_shares(m: Materialized, held: Mapping[int, Mapping[tuple[str, Region], int]]

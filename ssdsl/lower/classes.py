@@ -324,6 +324,14 @@ class ClassLowering:
         self.reps: dict[tuple, Representative] = {}
         self.rep_of: dict[int, int] = {}  # rank -> its representative, once asked
 
+    def representative(self, rank: int) -> Program:
+        """The program of ``rank``'s class representative (lowered once): what a reader of the
+        program's shape alone (``ssdsl.cost``) needs, without stamping ``rank``'s own."""
+        key = rank_key(self.ctx, self.index, rank, {})
+        if key not in self.reps:
+            self.program(rank)
+        return self.reps[key].program
+
     def program(self, rank: int) -> Program:
         """The program of ``rank``: lowered if it is the first of its class, else stamped."""
         from ssdsl.lower.build import _RankLowering

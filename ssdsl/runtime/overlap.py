@@ -73,6 +73,24 @@ def _parts(ins: ReduceBucket, sizes: list[int], part_bytes: int,
     return tuple(tuple(g) for g in groups)
 
 
+def overlapped_buckets(buckets, nbytes: dict) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """The rule of ``overlap_plan`` on a rank's gradient buckets in program order, right after
+    its last backward as the lowering puts them (``ssdsl.materialize.reducer.Bucket``s, or
+    anything with ``entries``, ``zero`` and ``devices``): position in ``buckets`` -> its parts.
+    The cost model reads it, so that what it overlaps is what the executor overlaps."""
+    if PART_BYTES <= 0:
+        return {}
+    parts: dict[int, tuple[tuple[int, ...], ...]] = {}
+    for i, b in enumerate(buckets):
+        if b.zero or len(b.devices) < 2:
+            break
+        split = _parts(b, [nbytes[e] for e in b.entries], PART_BYTES, REST_PART_BYTES)
+        if len(split) < 2:
+            break
+        parts[i] = split
+    return parts
+
+
 def overlap_plan(program: Program, nbytes: dict, *, part_bytes: int | None = None,
                  rest_bytes: int | None | str = "default") -> OverlapPlan | None:
     """The buckets of ``program`` to reduce during its last backward, or None (none can be).
