@@ -29,7 +29,9 @@ changes within minutes; runs and profiles are kept in ``bench/cost_measured.json
 ``ops`` says where a step's prediction is off: the plain model's forward and backward in one
 process (the threads of one rank), profiled by ``torch.profiler``, per ATen operator kind
 forward and per autograd node backward, beside the cost model's time for each kind (the
-``dp`` plan on one device, ``ssdsl.cost.work.operator_times``).
+``dp`` plan on one device, ``ssdsl.cost.work.operator_times``). The profile's per-operator
+overhead is the ssdsl executor's (``op_overhead``, ``view_overhead``), so a plain model's small
+operators and views profile below their prediction; a run's executor pays it.
 """
 
 from __future__ import annotations
