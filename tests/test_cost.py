@@ -420,3 +420,49 @@ def test_the_cost_model_overlaps_the_buckets_the_executor_overlaps(plan, world, 
         assert len(costs.overlapped[d]) == len(want)
         seen += len(want)
     assert seen or plan == "dp_zero"
+
+
+def _direct_regions(m):
+    """The recomputed regions read off every rank's own program, lowered by itself."""
+    from ssdsl.lower import lower_rank
+    out = {}
+    for rank in range(m.transformed.world):
+        seen, current, region, number = set(), None, None, 0
+        for ins in lower_rank(m, rank, direct=True).instructions:
+            if ins.kind == "begin":
+                stage = ins.unit.partition("F")[0]
+                current = "F" in ins.unit and stage not in seen
+                seen.add(stage) if current else None
+                region = None
+            elif not current:
+                continue
+            elif ins.kind == "recompute":
+                number += 1
+                region = (rank, number)
+            elif ins.kind == "end_recompute":
+                region = None
+            elif ins.kind == "call" and region is not None:
+                out[(rank, ins.op, tuple(ins.part))] = region
+    return out
+
+
+PIPE_RECOMPUTE = """plan pipe_recompute()
+use dp_tp_1f1b(dp=2, tp=1, pp=2, microbatches=2)
+recompute h.*.mlp
+"""
+
+
+@pytest.mark.parametrize("plan, world, sets", [
+    ("coshard", 2, {"colocate": "2"}), ("megatron_recompute", 4, {}), ("pipe", 4, {})])
+def test_recomputed_regions_read_once_per_rank_class_are_every_rank_s(gpt, tmp_path, plan,
+                                                                     world, sets):
+    from ssdsl.cost.work import recomputed_regions
+    _, _, graph = gpt
+    if plan != "coshard":
+        path = tmp_path / f"{plan}.ssp"
+        path.write_text(RECOMPUTE_TP if plan == "megatron_recompute" else PIPE_RECOMPUTE)
+        plan = str(path)
+    t, lowered = schedule_plan(graph, elaborate_file(plan, world=world, sets=sets))
+    m = materialize(t, schedule=lowered)
+    want = _direct_regions(m)
+    assert want and recomputed_regions(m) == want

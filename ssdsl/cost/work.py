@@ -26,8 +26,7 @@ from ssdsl.cost.ops import (VIEW_KINDS, Work, aten_name, item_bytes, kept_slots,
 from ssdsl.cost.profiles import Cluster, DeviceProfile
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
-from ssdsl.lower import lower_rank
-from ssdsl.lower.build import classes_of
+from ssdsl.lower.build import classes_of, context_of
 from ssdsl.lower.build import loss_collective
 from ssdsl.materialize.program import Materialized
 from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
@@ -135,33 +134,51 @@ def recomputed_regions(m: Materialized) -> dict[tuple[int, str, tuple[int, ...]]
     from the lowered programs (``RecomputeBegin`` .. ``RecomputeEnd`` around calls; the first
     forward of each stage on each rank: every micro-batch's forward runs the same regions). What
     the cost model recomputes is then what runs: a communication point ends a region there, and
-    co-shard's parts run part by part, each part of a stretch its own region."""
+    co-shard's parts run part by part, each part of a stretch its own region. Each rank class's
+    program is read once (``ssdsl.lower.classes``): a member's regions are its
+    representative's, with its own part at each call's position, as its program is stamped."""
     if not m.transformed.recompute:
         return {}
+    ctx, classes = context_of(m), classes_of(m)
+    shapes: dict[int, list[tuple[int, str, int]]] = {}  # representative -> its regions' calls
     regions: dict[tuple[int, str, tuple[int, ...]], tuple] = {}
     for rank in range(m.transformed.world):
-        stages_seen: set[str] = set()
-        current = None
-        region = None
-        number = 0
-        for ins in lower_rank(m, rank).instructions:
-            kind = ins.kind
-            if kind == "begin":
-                stage, _, _ = ins.unit.partition("F")
-                current = ins.unit if "F" in ins.unit and stage not in stages_seen else None
-                if current is not None:
-                    stages_seen.add(stage)
-                region = None
-            elif current is None:
-                continue
-            elif kind == "recompute":
-                number += 1
-                region = (rank, number)
-            elif kind == "end_recompute":
-                region = None
-            elif kind == "call" and region is not None:
-                regions[(rank, ins.op, tuple(ins.part))] = region
+        program = classes.representative(rank)
+        calls = shapes.get(program.rank)
+        if calls is None:
+            calls = shapes[program.rank] = _region_calls(program, ctx)
+        for number, op, pos in calls:
+            regions[(rank, op, tuple(ctx.placed[(op, rank)][pos].index))] = (rank, number)
     return regions
+
+
+def _region_calls(program, ctx) -> list[tuple[int, str, int]]:
+    """(region number, operator, position of the part among the rank's parts of it) of every
+    call inside a recomputed region of ``program``'s first forward of each stage."""
+    stages_seen: set[str] = set()
+    current = region = None
+    number = 0
+    out = []
+    for ins in program.instructions:
+        kind = ins.kind
+        if kind == "begin":
+            stage, _, _ = ins.unit.partition("F")
+            current = ins.unit if "F" in ins.unit and stage not in stages_seen else None
+            if current is not None:
+                stages_seen.add(stage)
+            region = None
+        elif current is None:
+            continue
+        elif kind == "recompute":
+            number += 1
+            region = number
+        elif kind == "end_recompute":
+            region = None
+        elif kind == "call" and region is not None:
+            parts = ctx.placed[(ins.op, program.rank)]
+            pos = next(i for i, p in enumerate(parts) if tuple(p.index) == tuple(ins.part))
+            out.append((region, ins.op, pos))
+    return out
 
 
 def _part_time(w: Work, opts: CostOptions, *, backward: bool) -> float:
