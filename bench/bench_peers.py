@@ -220,9 +220,9 @@ LEVERS = {
     "own_loss": ("ssdsl.lower.build", "OWN_LOSS", False),
     "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
     "prebuilt": ("ssdsl.runtime.executor", "PREBUILD", False),
-    "overlap": ("ssdsl.runtime.overlap", "PART_BYTES", 0),
+    "overlap": ("ssdsl.lower.overlap", "PART_BYTES", 0),
     # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB
-    "rest_parts": ("ssdsl.runtime.overlap", "REST_PART_BYTES", None),
+    "rest_parts": ("ssdsl.lower.overlap", "REST_PART_BYTES", None),
 }
 
 

@@ -398,7 +398,7 @@ def test_the_cost_model_overlaps_the_buckets_the_executor_overlaps(plan, world, 
     picks on each rank's lowered program (bench/gpt_small.py: a 14 MiB gradient)."""
     from ssdsl.cost.work import _executor_overlap
     from ssdsl.lower import lower_rank
-    from ssdsl.runtime.overlap import overlap_plan
+    from ssdsl.lower.overlap import overlap_plan
 
     graph = trace(load_model_file(SMALL), device="meta")
     t, lowered = schedule_plan(graph, elaborate_file(plan, world=world, sets=sets))

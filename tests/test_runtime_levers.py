@@ -75,8 +75,8 @@ def assert_matches(got: tuple, want: tuple[list[float], dict]) -> None:
 ])
 def test_levers_on_match_the_single_device_model(plan, nproc, sets, acts):
     # parts of 2 KiB: the tiny GPT's bucket becomes dozens of all-reduces started in backward
-    levers = {"ssdsl.runtime.overlap:PART_BYTES": 2048,
-              "ssdsl.runtime.overlap:REST_PART_BYTES": 2048, "ssdsl.runtime.early:LOOKAHEAD": 2}
+    levers = {"ssdsl.lower.overlap:PART_BYTES": 2048,
+              "ssdsl.lower.overlap:REST_PART_BYTES": 2048, "ssdsl.runtime.early:LOOKAHEAD": 2}
     per_rank = launch(lever_worker, nproc=nproc, args=(plan, sets, levers), timeout_s=600)
     want = reference()
     for got in per_rank:

@@ -31,7 +31,7 @@ from ssdsl.lower.build import loss_collective
 from ssdsl.materialize.program import Materialized
 from ssdsl.materialize.steps import Adapter, CollectiveStep, PointToPoint
 from ssdsl.ops import Annotation
-from ssdsl.runtime.overlap import overlap_plan, overlapped_buckets
+from ssdsl.lower.overlap import overlap_plan, overlapped_buckets
 
 ITEMSIZE = {"float64": 8, "float32": 4, "tfloat32": 4, "float16": 2, "bfloat16": 2}
 # Optimizer state per parameter element, in fp32 values: SGD without momentum keeps none.
@@ -470,7 +470,7 @@ def _static(m: Materialized, opts: CostOptions, devices: tuple[int, ...]):
 def _executor_overlap(m: Materialized, d: int, mine, nbytes) -> tuple[dict, bool]:
     """(the buckets of device ``d`` the executor reduces in parts during its last backward,
     by position among ``mine``, with their parts; whether that last backward instruction is
-    its unit's whole backward). The runtime's own rule (``ssdsl.runtime.overlap``) read on the
+    its unit's whole backward). The runtime's own rule (``ssdsl.lower.overlap``) read on the
     program of ``d``'s rank class (its shape is the class's; ``d``'s buckets are the ones at
     the same positions). Where a unit's backward is cut by communication (tensor
     parallelism), only its last piece runs with the hooks on: a part whose weights got their
