@@ -139,6 +139,10 @@ def _samples() -> dict[str, list]:
         "aten.permute.default": [([x, [2, 0, 1]], {})],
         "aten.transpose.int": [([x, 1, 2], {})],
         "aten.t.default": [([r(4, 6)], {})],
+        "aten.numpy_T.default": [([r(4, 6)], {}), ([x], {})],
+        "aten.mT.default": [([x], {})],
+        "aten.adjoint.default": [([x], {})],
+        "aten.matrix_H.default": [([r(4, 6)], {})],
         "aten.split.Tensor": [([r(2, 4, 12), 4, 2], {}), ([r(2, 5, 6), 2, 1], {})],
         "aten.unsafe_split.Tensor": [([r(2, 4, 12), 4, 2], {})],
         "aten.chunk.default": [([r(2, 4, 12), 3, -1], {})],
@@ -335,3 +339,19 @@ def test_causal_attention_freezes_query_sequence() -> None:
     labels = annotate_call(call).labels()
     assert labels["L"].mark == "frozen" and "causal" in labels["L"].reason
     assert labels["b1"].mark == "spatial"
+
+
+@pytest.mark.parametrize("target", ["aten.numpy_T.default", "aten.mT.default",
+                                    "aten.adjoint.default", "aten.matrix_H.default"])
+def test_matrix_transposes_are_annotated(target: str) -> None:
+    """``weight.T`` (Falcon's linear: ``x @ self.weight.T``), ``x.mT``, ``x.adjoint()`` and
+    ``x.H`` stay in an exported graph as their own operators; each split of each dim combines
+    to what PyTorch computes on the whole."""
+    for args, kwargs in SAMPLES[target]:
+        call, values = make_call(target, args, kwargs)
+        ann = annotate_call(call)
+        assert not isinstance(ann, NotAnnotated), ann
+        assert len(ann.splittable()) == len(call.in_shapes[0])
+        for label in ann.splittable():
+            for n in _parts_for(ann, label):
+                check_parts(call, ann, values, equal_parts(ann, label, n))

@@ -86,12 +86,26 @@ def permute(call: Call) -> Annotation:
                       (plain([labels[p] for p in order], [src[p] for p in order]),))
 
 
-@register("aten.transpose.int", "aten.t.default")
+@register("aten.numpy_T.default")
+def numpy_t(call: Call) -> Annotation:
+    """``x.T``: every dim reversed (a transpose for a matrix: Falcon's ``x @ weight.T``)."""
+    (src,) = call.in_shapes
+    labels = dims(len(src))
+    return Annotation((plain(labels, src),), (plain(labels[::-1], src[::-1]),))
+
+
+@register("aten.transpose.int", "aten.t.default", "aten.mT.default", "aten.adjoint.default",
+          "aten.matrix_H.default")
 def transpose(call: Call) -> Annotation:
+    """``transpose(x, a, b)``; ``x.t()`` (a matrix, or a vector unchanged); ``x.mT``,
+    ``x.adjoint()`` and ``x.H`` swap the last two dims (the latter two conjugate too: an
+    elementwise map, so any split passes through them)."""
     (src,) = call.in_shapes
     labels = dims(len(src))
     if call.op.target == "aten.t.default":
         a, b = 0, len(src) - 1
+    elif call.op.target != "aten.transpose.int":
+        a, b = len(src) - 2, len(src) - 1
     else:
         a, b = (norm_dim(call.arg(k, n), len(src)) for k, n in ((1, "dim0"), (2, "dim1")))
     out = list(labels)
