@@ -152,8 +152,10 @@ def _pieces(call: Call, whole_shape, piece_shapes, d: int, *, cat: bool) -> Anno
         whole = plain(labels, whole_shape)
         parts = tuple(plain([*labels[:d], f"p{k}", *labels[d + 1:]], s)
                       for k, s in enumerate(piece_shapes))
-        frozen.update({labels[d]: "cut into uneven pieces"} |
-                      {f"p{k}": "cut into uneven pieces" for k in range(len(parts))})
+        why = (f"cut into uneven pieces ({', '.join(str(s[d]) for s in piece_shapes)}: a "
+               "dim cut into pieces of different sizes, as a fused multi-query projection is "
+               "cut into query and key/value, is kept whole)")
+        frozen.update({labels[d]: why} | {f"p{k}": why for k in range(len(parts))})
         lower = None
     extra = {"lower": lower} if lower else {}
     if cat:
@@ -231,7 +233,10 @@ def slice_(call: Call) -> Annotation:
         frozen["r"] = "a stride of the slice"
     else:
         ins[d], outs[d] = (Factor("a", src[d]),), (Factor("b", dst[d]),)
-        frozen.update(a="sliced", b="sliced")
+        why = (f"sliced ([{start}:{end}] of {src[d]}: a slice of part of a dim keeps it whole, "
+               "as when a fused projection is sliced into query, key and value of different "
+               "sizes)")
+        frozen.update(a=why, b=why)
     return Annotation((tuple(ins),), (tuple(outs),), frozen=frozen, lower=_lower_slice)
 
 
