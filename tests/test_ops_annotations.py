@@ -215,7 +215,12 @@ def _samples() -> dict[str, list]:
         "aten.conv1d.default": [([r(2, 4, 8), r(6, 4, 3), r(6)], {})],
         "aten.conv2d.default": [([r(2, 4, 8, 8), r(6, 4, 2, 2), r(6), [2, 2]], {}),
                                 ([r(2, 4, 6, 6), r(4, 2, 3, 3), None, [1, 1], [1, 1], [1, 1], 2],
-                                 {})],
+                                 {}),
+                                # depthwise (a group per channel, two outputs each), with a bias
+                                ([r(2, 4, 6, 6), r(8, 1, 3, 3), r(8), [1, 1], [1, 1], [1, 1], 4],
+                                 {}),
+                                # grouped, groups by keyword
+                                ([r(2, 6, 4, 4), r(9, 2, 1, 1), r(9)], {"groups": 3})],
         "aten.conv3d.default": [([r(2, 2, 4, 4, 4), r(4, 2, 2, 2, 2), None, [2, 2, 2]], {})],
         "aten.arange.default": [([8], {})],
         "aten.arange.start": [([2, 10], {})],
@@ -355,3 +360,19 @@ def test_matrix_transposes_are_annotated(target: str) -> None:
         for label in ann.splittable():
             for n in _parts_for(ann, label):
                 check_parts(call, ann, values, equal_parts(ann, label, n))
+
+
+@pytest.mark.parametrize("index", [1, 2, 3])
+def test_grouped_conv_splits_by_whole_groups(index: int) -> None:
+    """A grouped conv (a depthwise one: SegFormer's Mix-FFN, ConvNeXt, MobileNet) splits by its
+    groups, input channels, weight rows and output channels alike, the local conv with the
+    part's number of groups (it was refused: 'grouped convolution'); the parts combine to what
+    PyTorch computes on the whole."""
+    args, kwargs = SAMPLES["aten.conv2d.default"][index]
+    call, values = make_call("aten.conv2d.default", args, kwargs)
+    ann = annotate_call(call)
+    assert "G" in ann.splittable()
+    assert dict(ann.words)["out"] == "G"
+    for label in ann.splittable():
+        for n in _parts_for(ann, label):
+            check_parts(call, ann, values, equal_parts(ann, label, n))
