@@ -4,7 +4,7 @@ GPT-BigCode (multi-query, fused c_attn), Electra (embeddings projected to the hi
 Phi-3 (fused qkv_proj and gate_up_proj), StableLM (partial rotary, qkv biases), Qwen2-MoE
 (routed experts and a gated shared expert; no float64 CPU kernel, so float32), Whisper (conv1d
 front end, frozen sinusoidal encoder positions, cross-attention), CLIP's text model (pooling at
-one token per row), timm BEiT (relative position bias, layer scale), CaiT (talking heads,
+one token per row), SegFormer (spatial-reduction attention, Mix-FFN with a depthwise conv), timm BEiT (relative position bias, layer scale), CaiT (talking heads,
 class attention), PoolFormer (pooling token mixer, GroupNorm) and EfficientNet (squeeze and
 excitation, BatchNorm).
 
@@ -12,7 +12,9 @@ What they showed (each with a fast test of its own): Whisper's frozen positions 
 (tests/test_frozen_parameters.py); Falcon's ``weight.T`` was unannotated and its matmul had no
 ``out``/``in`` (tests/test_hand_linear.py); Phi-3's fused gate_up was split gate-from-up and
 gathered (tests/test_fused_gate_up.py); CLIP's ``h[arange(B), eos]`` was a lookup of the whole
-batch, gathered under dp and refused by micro-batches (tests/test_trace_aligned.py). A head
+batch, gathered under dp and refused by micro-batches (tests/test_trace_aligned.py);
+SegFormer's depthwise conv could not follow a column-parallel split (tests/test_depthwise_split.py).
+A head
 split of a fused multi-query or grouped-query projection sliced into pieces of different sizes
 (Falcon, BigCode, Phi-3) is refused at the plan's line (tests/plans/phase_bad): those families
 run their MLPs tensor-parallel (mlp_tp.ssp).
@@ -54,6 +56,7 @@ FALCON_MLP = _mlp_tp("lm.transformer.h.*", "mlp", "mlp.dense_4h_to_h")
 BIGCODE_MLP = _mlp_tp("lm.transformer.h.*", "mlp", "mlp.c_proj")
 PHI3_MLP = _mlp_tp("lm.model.layers.*", "mlp", "mlp.down_proj")
 WHISPER_TP = [str(HERE / "whisper_tp.ssp")]
+SEGFORMER_MLP = _mlp_tp("seg.segformer.stages.*.blocks.*", "mlp", "mlp.fc2")
 # (family, plan and its arguments, dtype)
 CASES = [
     ("hf_falcon", ["dp"], F64), ("hf_falcon", ONE_F_ONE_B, F64), ("hf_falcon", FALCON_MLP, F64),
@@ -81,6 +84,11 @@ CASES = [
     ("timm_cait", ONE_F_ONE_B, F64),
     ("timm_poolformer", ["dp"], F64), ("timm_poolformer", ONE_F_ONE_B, F64),
     ("timm_poolformer", GPIPE, F64),
+    ("hf_segformer", ["dp"], F64), ("hf_segformer", ONE_F_ONE_B, F64),
+    # stage 0 has one head: megatron_tp on stage 1, the MLPs of both (depthwise convs inside)
+    ("hf_segformer", _tp("seg.segformer.stages.1.blocks.*", "attention", "attention.o_proj",
+                         "mlp", "mlp.fc2"), F64),
+    ("hf_segformer", SEGFORMER_MLP, F64),
 ]
 
 
@@ -115,6 +123,7 @@ MINIMUM = [
     pytest.param("hf_falcon", FALCON_MLP, 2, 2, marks=HF, id="hf_falcon-mlp_tp"),
     pytest.param("hf_whisper", WHISPER_TP, 2 * 2 + 2 * 3, 2 * 2 + 2 * 3 + 1, marks=HF,
                  id="hf_whisper-whisper_tp"),
+    pytest.param("hf_segformer", SEGFORMER_MLP, 2, 2, marks=HF, id="hf_segformer-mlp_tp"),
 ]
 
 
@@ -183,7 +192,7 @@ def test_efficientnet_batch_norm_keeps_its_running_statistics(capsys, tmp_path, 
 @pytest.mark.parametrize("family", [
     pytest.param(f, marks=TIMM if f.startswith("timm") else HF, id=f)
     for f in ["hf_falcon", "hf_bigcode", "hf_electra", "hf_phi3", "hf_stablelm", "hf_whisper",
-              "hf_clip_text", "timm_beit", "timm_cait", "timm_poolformer",
+              "hf_clip_text", "hf_segformer", "timm_beit", "timm_cait", "timm_poolformer",
               "timm_efficientnet"]])
 def test_every_operator_is_annotated(family: str) -> None:
     """Falcon's ``weight.T`` (``aten.numpy_T``) was not; Qwen2-MoE's routing still is not
