@@ -4,20 +4,21 @@ GPT-BigCode (multi-query, fused c_attn), Electra (embeddings projected to the hi
 Phi-3 (fused qkv_proj and gate_up_proj), StableLM (partial rotary, qkv biases), Qwen2-MoE
 (routed experts and a gated shared expert; no float64 CPU kernel, so float32), Whisper (conv1d
 front end, frozen sinusoidal encoder positions, cross-attention), CLIP's text model (pooling at
-one token per row), SegFormer (spatial-reduction attention, Mix-FFN with a depthwise conv), timm BEiT (relative position bias, layer scale), CaiT (talking heads,
-class attention), PoolFormer (pooling token mixer, GroupNorm) and EfficientNet (squeeze and
-excitation, BatchNorm).
+one token per row), SegFormer (spatial-reduction attention, Mix-FFN with a depthwise conv),
+timm BEiT (relative position bias, layer scale), CaiT (talking heads, class attention),
+PoolFormer (pooling token mixer, GroupNorm) and EfficientNet (squeeze and excitation,
+BatchNorm).
 
 What they showed (each with a fast test of its own): Whisper's frozen positions were trained
 (tests/test_frozen_parameters.py); Falcon's ``weight.T`` was unannotated and its matmul had no
 ``out``/``in`` (tests/test_hand_linear.py); Phi-3's fused gate_up was split gate-from-up and
 gathered (tests/test_fused_gate_up.py); CLIP's ``h[arange(B), eos]`` was a lookup of the whole
 batch, gathered under dp and refused by micro-batches (tests/test_trace_aligned.py);
-SegFormer's depthwise conv could not follow a column-parallel split (tests/test_depthwise_split.py).
-A head
-split of a fused multi-query or grouped-query projection sliced into pieces of different sizes
-(Falcon, BigCode, Phi-3) is refused at the plan's line (tests/plans/phase_bad): those families
-run their MLPs tensor-parallel (mlp_tp.ssp).
+SegFormer's depthwise conv could not follow a column-parallel split
+(tests/test_depthwise_split.py). A head split of a fused multi-query or grouped-query
+projection sliced into pieces of different sizes (Falcon, BigCode, Phi-3) is refused at the
+plan's line (tests/plans/phase_bad): those families run their MLPs tensor-parallel
+(mlp_tp.ssp).
 
 Every run is ``--check --optimizer sgd`` in float64 unless said: the oracle is the plain model
 trained on one device. Slow (processes, third-party models)."""
