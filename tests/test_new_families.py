@@ -6,16 +6,16 @@ Phi-3 (fused qkv_proj and gate_up_proj), StableLM (partial rotary, qkv biases), 
 front end, frozen sinusoidal encoder positions, cross-attention), CLIP's text model (pooling at
 one token per row), SegFormer (spatial-reduction attention, Mix-FFN with a depthwise conv),
 timm BEiT (relative position bias, layer scale), CaiT (talking heads, class attention),
-PoolFormer (pooling token mixer, GroupNorm) and EfficientNet (squeeze and excitation,
-BatchNorm).
+PoolFormer (pooling token mixer, GroupNorm), EfficientNet (squeeze and excitation,
+BatchNorm) and RegNetY (grouped 3x3 convs, squeeze and excitation, BatchNorm).
 
 What they showed (each with a fast test of its own): Whisper's frozen positions were trained
 (tests/test_frozen_parameters.py); Falcon's ``weight.T`` was unannotated and its matmul had no
 ``out``/``in`` (tests/test_hand_linear.py); Phi-3's fused gate_up was split gate-from-up and
 gathered (tests/test_fused_gate_up.py); CLIP's ``h[arange(B), eos]`` was a lookup of the whole
 batch, gathered under dp and refused by micro-batches (tests/test_trace_aligned.py);
-SegFormer's depthwise conv could not follow a column-parallel split
-(tests/test_depthwise_split.py). A head split of a fused multi-query or grouped-query
+SegFormer's depthwise conv and RegNet's grouped convs could not follow a column-parallel
+split (tests/test_depthwise_split.py). A head split of a fused multi-query or grouped-query
 projection sliced into pieces of different sizes (Falcon, BigCode, Phi-3) is refused at the
 plan's line (tests/plans/phase_bad): those families run their MLPs tensor-parallel
 (mlp_tp.ssp).
@@ -90,6 +90,7 @@ CASES = [
     ("hf_segformer", _tp("seg.segformer.stages.1.blocks.*", "attention", "attention.o_proj",
                          "mlp", "mlp.fc2"), F64),
     ("hf_segformer", SEGFORMER_MLP, F64),
+    ("timm_regnet", [str(HERE / "regnet_tp.ssp")], F64),
 ]
 
 
@@ -125,6 +126,9 @@ MINIMUM = [
     pytest.param("hf_whisper", WHISPER_TP, 2 * 2 + 2 * 3, 2 * 2 + 2 * 3 + 1, marks=HF,
                  id="hf_whisper-whisper_tp"),
     pytest.param("hf_segformer", SEGFORMER_MLP, 2, 2, marks=HF, id="hf_segformer-mlp_tp"),
+    # per bottleneck: forward after se.fc1 and conv3, backward before conv1 and se.fc2
+    pytest.param("timm_regnet", [str(HERE / "regnet_tp.ssp")], 4 * 2, 4 * 2, marks=TIMM,
+                 id="timm_regnet-regnet_tp"),
 ]
 
 
@@ -164,19 +168,25 @@ BN_PLANS = {
 
 @pytest.mark.slow
 @TIMM
-@pytest.mark.parametrize("layout", list(BN_PLANS))
-def test_efficientnet_batch_norm_keeps_its_running_statistics(capsys, tmp_path, layout):
-    """BatchNorm split by channels, or replicated under data parallelism (it gathers the batch,
-    as a synchronized batch norm does), with squeeze-and-excitation gates after it: the
-    training and the running statistics of the saved state equal the plain model's."""
+@pytest.mark.parametrize("family, layout", [("timm_efficientnet", "channels"),
+                                            ("timm_efficientnet", "dp"),
+                                            ("timm_regnet", "dp"), ("timm_regnet", "regnet_tp")])
+def test_batch_norm_keeps_its_running_statistics(capsys, tmp_path, family, layout):
+    """BatchNorm split by channels (alone, or inside RegNet's channel-parallel bottlenecks with
+    their grouped convs), or replicated under data parallelism (it gathers the batch, as a
+    synchronized batch norm does), with squeeze-and-excitation gates after it: the training
+    and the running statistics of the saved state equal the plain model's."""
     from ssdsl.runtime.reference import OptimizerSpec, run_reference
     from ssdsl.trace.model_file import load_model_file
 
     plan = tmp_path / "bn.ssp"
-    plan.write_text(f"plan bn(n: int = world)\n{BN_PLANS[layout]}"
-                    "assign each part i to device i\n")
+    if layout in BN_PLANS:
+        plan.write_text(f"plan bn(n: int = world)\n{BN_PLANS[layout]}"
+                        "assign each part i to device i\n")
+    else:
+        plan = HERE / f"{layout}.ssp"
     saved = tmp_path / "state.pt"
-    model = HERE / "timm_efficientnet.py"
+    model = HERE / f"{family}.py"
     code, out = _run(capsys, model, [str(plan)], F64, "--save", str(saved))
     assert out["check"]["ok"] and code == 0
     ref = run_reference(load_model_file(str(model)), steps=2, dtype=torch.float64,
@@ -194,7 +204,7 @@ def test_efficientnet_batch_norm_keeps_its_running_statistics(capsys, tmp_path, 
     pytest.param(f, marks=TIMM if f.startswith("timm") else HF, id=f)
     for f in ["hf_falcon", "hf_bigcode", "hf_electra", "hf_phi3", "hf_stablelm", "hf_whisper",
               "hf_clip_text", "hf_segformer", "timm_beit", "timm_cait", "timm_poolformer",
-              "timm_efficientnet"]])
+              "timm_efficientnet", "timm_regnet"]])
 def test_every_operator_is_annotated(family: str) -> None:
     """Falcon's ``weight.T`` (``aten.numpy_T``) was not; Qwen2-MoE's routing still is not
     (``topk``, ``sort``, ``histc``, transformers' grouped matmul), as Mixtral's."""
