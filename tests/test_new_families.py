@@ -7,7 +7,9 @@ front end, frozen sinusoidal encoder positions, cross-attention), CLIP's text mo
 one token per row), SegFormer (spatial-reduction attention, Mix-FFN with a depthwise conv),
 timm BEiT (relative position bias, layer scale), CaiT (talking heads, class attention),
 PoolFormer (pooling token mixer, GroupNorm), EfficientNet (squeeze and excitation,
-BatchNorm) and RegNetY (grouped 3x3 convs, squeeze and excitation, BatchNorm).
+BatchNorm), RegNetY (grouped 3x3 convs, squeeze and excitation, BatchNorm) and Wav2Vec2 (a
+strided conv feature extractor over the waveform, a grouped positional conv under weight
+norm).
 
 What they showed (each with a fast test of its own): Whisper's frozen positions were trained
 (tests/test_frozen_parameters.py); Falcon's ``weight.T`` was unannotated and its matmul had no
@@ -91,6 +93,10 @@ CASES = [
                          "mlp", "mlp.fc2"), F64),
     ("hf_segformer", SEGFORMER_MLP, F64),
     ("timm_regnet", [str(HERE / "regnet_tp.ssp")], F64),
+    ("hf_wav2vec2", ["dp"], F64), ("hf_wav2vec2", ONE_F_ONE_B, F64),
+    ("hf_wav2vec2", _tp("w2v.wav2vec2.encoder.layers.*", "attention", "attention.out_proj",
+                        "feed_forward", "feed_forward.output_dense"), F64),
+    ("hf_wav2vec2", [str(HERE / "wav2vec2_pos_conv.ssp")], F64),
 ]
 
 
@@ -204,9 +210,10 @@ def test_batch_norm_keeps_its_running_statistics(capsys, tmp_path, family, layou
     pytest.param(f, marks=TIMM if f.startswith("timm") else HF, id=f)
     for f in ["hf_falcon", "hf_bigcode", "hf_electra", "hf_phi3", "hf_stablelm", "hf_whisper",
               "hf_clip_text", "hf_segformer", "timm_beit", "timm_cait", "timm_poolformer",
-              "timm_efficientnet", "timm_regnet"]])
+              "timm_efficientnet", "timm_regnet", "hf_wav2vec2"]])
 def test_every_operator_is_annotated(family: str) -> None:
-    """Falcon's ``weight.T`` (``aten.numpy_T``) was not; Qwen2-MoE's routing still is not
+    """Falcon's ``weight.T`` (``aten.numpy_T``) and Wav2Vec2's ``_weight_norm`` were not;
+    Qwen2-MoE's routing still is not
     (``topk``, ``sort``, ``histc``, transformers' grouped matmul), as Mixtral's."""
     from ssdsl.ops import NotAnnotated, annotate
     from ssdsl.trace import trace

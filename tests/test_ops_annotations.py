@@ -212,6 +212,9 @@ def _samples() -> dict[str, list]:
         "aten.l1_loss.default": [([r(4, 6), r(4, 6, seed=9)], {"reduction": 2})],
         "aten.smooth_l1_loss.default": [([r(4, 6), r(4, 6, seed=9)], {})],
         "aten.binary_cross_entropy_with_logits.default": [([r(4, 6), r(4, 6).sigmoid()], {})],
+        "aten._weight_norm.default": [([r(6, 4, 3), r(6, 1, 1, positive=True), 0], {}),
+                                      ([r(4, 2, 6), r(1, 1, 6, positive=True), 2], {}),
+                                      ([r(4, 6), r(4, 1, positive=True), -2], {})],
         "aten.conv1d.default": [([r(2, 4, 8), r(6, 4, 3), r(6)], {})],
         "aten.conv2d.default": [([r(2, 4, 8, 8), r(6, 4, 2, 2), r(6), [2, 2]], {}),
                                 ([r(2, 4, 6, 6), r(4, 2, 3, 3), None, [1, 1], [1, 1], [1, 1], 2],
@@ -376,3 +379,15 @@ def test_grouped_conv_splits_by_whole_groups(index: int) -> None:
     for label in ann.splittable():
         for n in _parts_for(ann, label):
             check_parts(call, ann, values, equal_parts(ann, label, n))
+
+
+@pytest.mark.parametrize("index, kept", [(0, "d0"), (1, "d2"), (2, "d0")])
+def test_weight_norm_splits_along_its_dim(index: int, kept: str) -> None:
+    """``_weight_norm(v, g, dim)`` (Wav2Vec2's positional conv, once unannotated): a norm for
+    each index of ``dim``, so it splits along ``dim`` only; the parts combine to PyTorch's."""
+    args, kwargs = SAMPLES["aten._weight_norm.default"][index]
+    call, values = make_call("aten._weight_norm.default", args, kwargs)
+    ann = annotate_call(call)
+    assert not isinstance(ann, NotAnnotated), ann
+    assert ann.splittable() == [kept]
+    check_parts(call, ann, values, equal_parts(ann, kept, 2))
