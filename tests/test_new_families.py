@@ -239,3 +239,16 @@ def test_whisper_positions_stay_frozen(capsys, tmp_path):
     key = "lm.model.encoder.embed_positions.weight"
     first = load_model_file(model).build(seed=0).state_dict()[key]
     assert torch.equal(torch.load(saved)[key].to(first.dtype), first)
+
+
+@pytest.mark.slow
+@HF
+def test_micro_batches_over_moe_routing_are_refused_with_the_cause(capsys):
+    """Qwen2-MoE's experts read their tokens by indices computed at run time; micro-batches
+    are refused at the plan's microbatch line, with a hint that names the routing (not the
+    batch-norm advice the batch statistics get)."""
+    code = main(["check", str(HERE / "hf_qwen2moe.py"), *ONE_F_ONE_B, "--world", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "1f1b.ssp:10:1" in err and "looked up by index" in err
+    assert "mixture of experts" in err and "BatchNorm" not in err
