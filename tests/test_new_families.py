@@ -4,7 +4,8 @@ GPT-BigCode (multi-query, fused c_attn), Electra (embeddings projected to the hi
 Phi-3 (fused qkv_proj and gate_up_proj), StableLM (partial rotary, qkv biases), Qwen2-MoE
 (routed experts and a gated shared expert; no float64 CPU kernel, so float32), Whisper (conv1d
 front end, frozen sinusoidal encoder positions, cross-attention), CLIP's text model (pooling at
-one token per row), SegFormer (spatial-reduction attention, Mix-FFN with a depthwise conv),
+one token per row), SegFormer (spatial-reduction attention, Mix-FFN with a depthwise conv), HF
+Swin (shifted windows by torch.roll, relative position bias),
 timm BEiT (relative position bias, layer scale), CaiT (talking heads, class attention),
 PoolFormer (pooling token mixer, GroupNorm), EfficientNet (squeeze and excitation,
 BatchNorm), RegNetY (grouped 3x3 convs, squeeze and excitation, BatchNorm) and Wav2Vec2 (a
@@ -97,6 +98,9 @@ CASES = [
     ("hf_wav2vec2", _tp("w2v.wav2vec2.encoder.layers.*", "attention", "attention.out_proj",
                         "feed_forward", "feed_forward.output_dense"), F64),
     ("hf_wav2vec2", [str(HERE / "wav2vec2_pos_conv.ssp")], F64),
+    ("hf_swin", ["dp"], F64), ("hf_swin", ONE_F_ONE_B, F64),
+    ("hf_swin", _tp("swin.swin.encoder.layers.*.blocks.*", "attention", "attention.o_proj",
+                    "mlp", "mlp.fc2"), F64),
 ]
 
 
@@ -210,7 +214,7 @@ def test_batch_norm_keeps_its_running_statistics(capsys, tmp_path, family, layou
     pytest.param(f, marks=TIMM if f.startswith("timm") else HF, id=f)
     for f in ["hf_falcon", "hf_bigcode", "hf_electra", "hf_phi3", "hf_stablelm", "hf_whisper",
               "hf_clip_text", "hf_segformer", "timm_beit", "timm_cait", "timm_poolformer",
-              "timm_efficientnet", "timm_regnet", "hf_wav2vec2"]])
+              "timm_efficientnet", "timm_regnet", "hf_wav2vec2", "hf_swin"]])
 def test_every_operator_is_annotated(family: str) -> None:
     """Falcon's ``weight.T`` (``aten.numpy_T``) and Wav2Vec2's ``_weight_norm`` were not;
     Qwen2-MoE's routing still is not
