@@ -5,10 +5,9 @@ Phi-3 (fused qkv_proj and gate_up_proj), StableLM (partial rotary, qkv biases), 
 (routed experts and a gated shared expert; no float64 CPU kernel, so float32), Whisper (conv1d
 front end, frozen sinusoidal encoder positions, cross-attention), CLIP's text model (pooling at
 one token per row), SegFormer (spatial-reduction attention, Mix-FFN with a depthwise conv), HF
-Swin (shifted windows by torch.roll, relative position bias),
-timm BEiT (relative position bias, layer scale), CaiT (talking heads, class attention),
-PoolFormer (pooling token mixer, GroupNorm), EfficientNet (squeeze and excitation,
-BatchNorm), RegNetY (grouped 3x3 convs, squeeze and excitation, BatchNorm) and Wav2Vec2 (a
+Swin (shifted windows by torch.roll, relative position bias), timm BEiT (relative position
+bias, layer scale), CaiT (talking heads, class attention), PoolFormer (pooling token mixer,
+GroupNorm), EfficientNet (squeeze and excitation, BatchNorm), RegNetY (grouped 3x3 convs, squeeze and excitation, BatchNorm) and Wav2Vec2 (a
 strided conv feature extractor over the waveform, a grouped positional conv under weight
 norm).
 
