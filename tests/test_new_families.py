@@ -7,9 +7,9 @@ front end, frozen sinusoidal encoder positions, cross-attention), CLIP's text mo
 one token per row), SegFormer (spatial-reduction attention, Mix-FFN with a depthwise conv), HF
 Swin (shifted windows by torch.roll, relative position bias), timm BEiT (relative position
 bias, layer scale), CaiT (talking heads, class attention), PoolFormer (pooling token mixer,
-GroupNorm), EfficientNet (squeeze and excitation, BatchNorm), RegNetY (grouped 3x3 convs, squeeze and excitation, BatchNorm) and Wav2Vec2 (a
-strided conv feature extractor over the waveform, a grouped positional conv under weight
-norm).
+GroupNorm), EfficientNet (squeeze and excitation, BatchNorm), RegNetY (grouped 3x3 convs,
+squeeze and excitation, BatchNorm) and Wav2Vec2 (a strided conv feature extractor over the
+waveform, a grouped positional conv under weight norm).
 
 What they showed (each with a fast test of its own): Whisper's frozen positions were trained
 (tests/test_frozen_parameters.py); Falcon's ``weight.T`` was unannotated and its matmul had no
