@@ -71,7 +71,8 @@ def test_frozen_parameters_stay_as_the_plain_model_leaves_them(capsys, tmp_path,
     code = main(["run", str(MODEL), plan, "--nproc", "2", "--check", "--dtype", "float64",
                  "--optimizer", "sgd", "--steps", "2", "--json", "--save", str(saved)])
     out = json.loads(capsys.readouterr().out)
-    assert out["check"]["ok"], out["check"] and code == 0
+    assert out["check"]["ok"], out["check"]
+    assert code == 0
     ref = run_reference(load_model_file(MODEL), steps=2, dtype=torch.float64,
                         optimizer=OptimizerSpec("sgd"))
     state = torch.load(saved)
