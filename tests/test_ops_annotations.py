@@ -139,6 +139,10 @@ def _samples() -> dict[str, list]:
         "aten.permute.default": [([x, [2, 0, 1]], {})],
         "aten.transpose.int": [([x, 1, 2], {})],
         "aten.t.default": [([r(4, 6)], {})],
+        "aten.numpy_T.default": [([r(4, 6)], {}), ([x], {})],
+        "aten.mT.default": [([x], {})],
+        "aten.adjoint.default": [([x], {})],
+        "aten.matrix_H.default": [([r(4, 6)], {})],
         "aten.split.Tensor": [([r(2, 4, 12), 4, 2], {}), ([r(2, 5, 6), 2, 1], {})],
         "aten.unsafe_split.Tensor": [([r(2, 4, 12), 4, 2], {})],
         "aten.chunk.default": [([r(2, 4, 12), 3, -1], {})],
@@ -208,10 +212,18 @@ def _samples() -> dict[str, list]:
         "aten.l1_loss.default": [([r(4, 6), r(4, 6, seed=9)], {"reduction": 2})],
         "aten.smooth_l1_loss.default": [([r(4, 6), r(4, 6, seed=9)], {})],
         "aten.binary_cross_entropy_with_logits.default": [([r(4, 6), r(4, 6).sigmoid()], {})],
+        "aten._weight_norm.default": [([r(6, 4, 3), r(6, 1, 1, positive=True), 0], {}),
+                                      ([r(4, 2, 6), r(1, 1, 6, positive=True), 2], {}),
+                                      ([r(4, 6), r(4, 1, positive=True), -2], {})],
         "aten.conv1d.default": [([r(2, 4, 8), r(6, 4, 3), r(6)], {})],
         "aten.conv2d.default": [([r(2, 4, 8, 8), r(6, 4, 2, 2), r(6), [2, 2]], {}),
                                 ([r(2, 4, 6, 6), r(4, 2, 3, 3), None, [1, 1], [1, 1], [1, 1], 2],
-                                 {})],
+                                 {}),
+                                # depthwise (a group per channel, two outputs each), with a bias
+                                ([r(2, 4, 6, 6), r(8, 1, 3, 3), r(8), [1, 1], [1, 1], [1, 1], 4],
+                                 {}),
+                                # grouped, groups by keyword
+                                ([r(2, 6, 4, 4), r(9, 2, 1, 1), r(9)], {"groups": 3})],
         "aten.conv3d.default": [([r(2, 2, 4, 4, 4), r(4, 2, 2, 2, 2), None, [2, 2, 2]], {})],
         "aten.arange.default": [([8], {})],
         "aten.arange.start": [([2, 10], {})],
@@ -335,3 +347,47 @@ def test_causal_attention_freezes_query_sequence() -> None:
     labels = annotate_call(call).labels()
     assert labels["L"].mark == "frozen" and "causal" in labels["L"].reason
     assert labels["b1"].mark == "spatial"
+
+
+@pytest.mark.parametrize("target", ["aten.numpy_T.default", "aten.mT.default",
+                                    "aten.adjoint.default", "aten.matrix_H.default"])
+def test_matrix_transposes_are_annotated(target: str) -> None:
+    """``weight.T`` (Falcon's linear: ``x @ self.weight.T``), ``x.mT``, ``x.adjoint()`` and
+    ``x.H`` stay in an exported graph as their own operators; each split of each dim combines
+    to what PyTorch computes on the whole."""
+    for args, kwargs in SAMPLES[target]:
+        call, values = make_call(target, args, kwargs)
+        ann = annotate_call(call)
+        assert not isinstance(ann, NotAnnotated), ann
+        assert len(ann.splittable()) == len(call.in_shapes[0])
+        for label in ann.splittable():
+            for n in _parts_for(ann, label):
+                check_parts(call, ann, values, equal_parts(ann, label, n))
+
+
+@pytest.mark.parametrize("index", [1, 2, 3])
+def test_grouped_conv_splits_by_whole_groups(index: int) -> None:
+    """A grouped conv (a depthwise one: SegFormer's Mix-FFN, ConvNeXt, MobileNet) splits by its
+    groups, input channels, weight rows and output channels alike, the local conv with the
+    part's number of groups (it was refused: 'grouped convolution'); the parts combine to what
+    PyTorch computes on the whole."""
+    args, kwargs = SAMPLES["aten.conv2d.default"][index]
+    call, values = make_call("aten.conv2d.default", args, kwargs)
+    ann = annotate_call(call)
+    assert "G" in ann.splittable()
+    assert dict(ann.words)["out"] == "G"
+    for label in ann.splittable():
+        for n in _parts_for(ann, label):
+            check_parts(call, ann, values, equal_parts(ann, label, n))
+
+
+@pytest.mark.parametrize("index, kept", [(0, "d0"), (1, "d2"), (2, "d0")])
+def test_weight_norm_splits_along_its_dim(index: int, kept: str) -> None:
+    """``_weight_norm(v, g, dim)`` (Wav2Vec2's positional conv, once unannotated): a norm for
+    each index of ``dim``, so it splits along ``dim`` only; the parts combine to PyTorch's."""
+    args, kwargs = SAMPLES["aten._weight_norm.default"][index]
+    call, values = make_call("aten._weight_norm.default", args, kwargs)
+    ann = annotate_call(call)
+    assert not isinstance(ann, NotAnnotated), ann
+    assert ann.splittable() == [kept]
+    check_parts(call, ann, values, equal_parts(ann, kept, 2))

@@ -1,10 +1,13 @@
 """Convolutions. Batch and output channels are spatial; input channels are reduced (a bias only
 in part 0); a spatial dim can be split only for a patch embedding (kernel = stride, no padding,
-no dilation), where each output position reads its own patch: input ``H = (Ho kh)``."""
+no dilation), where each output position reads its own patch: input ``H = (Ho kh)``. A grouped
+convolution's groups are spatial too (a part holds whole groups)."""
 
 from __future__ import annotations
 
-from ssdsl.ops.build import first_value_part, set_arg
+import math
+
+from ssdsl.ops.build import extent, first_value_part, set_arg
 from ssdsl.ops.core import Annotation, Call, Factor, LocalCall, by_extent, register
 
 
@@ -38,23 +41,34 @@ def conv(call: Call) -> Annotation:
         if not patch:
             frozen[f"o{k}"] = "a convolution window crosses the boundary of a part"
     cin, cout = x[-nsp - 1], w[0]
+    words, lower = CHANNEL_WORDS, _lower_conv
     if groups == 1:
         x_c, w_c, reduced = (Factor("Ci", cin),), (Factor("Ci", cin),), frozenset({"Ci"})
-    else:  # grouped: channels are (g c); each group a separate conv
-        x_c = (Factor("g", groups), Factor("Ci", cin // groups))
+        o_c = (Factor("Co", cout),)
+    else:
+        # grouped (a depthwise conv: one group per channel): channels are (g c), group j of
+        # the output reads group j of the input only, so a part takes whole groups, of the
+        # input, the weight's rows and the output alike (the depthwise conv between the two
+        # linears of SegFormer's Mix-FFN follows their column-parallel split); inside a group
+        # the input channels are reduced and the output channels spatial, as in a plain conv
+        # (the groups are "G": the labels' product is the conv's iteration space, which the
+        # cost model's conv rule, dividing by a "g" of the input alone, takes as is)
+        x_c = (Factor("G", groups), Factor("Ci", cin // groups))
         w_c = (Factor("Ci", cin // groups),)
-        reduced = frozenset()
-        frozen.update(g="grouped convolution", Ci="grouped convolution",
-                      Co="grouped convolution")
-    ins = [(*lead, x_c, *x_sp), ((Factor("Co", cout),), w_c, *w_sp)]
+        o_c = (Factor("G", groups), Factor("Co", cout // groups))
+        reduced = frozenset({"Ci"})
+        words, lower = GROUPED_WORDS, _lower_grouped_conv(cin // groups, len(lead))
+    ins = [(*lead, x_c, *x_sp), (o_c, w_c, *w_sp)]
     if call.arg(2, "bias") is not None:
-        ins.append(((Factor("Co", cout),),))
-    return Annotation(tuple(ins), ((*lead, (Factor("Co", cout),), *o_sp),), reduced=reduced,
-                      frozen=frozen, words=CHANNEL_WORDS, lower=_lower_conv)
+        ins.append((o_c,))
+    return Annotation(tuple(ins), ((*lead, o_c, *o_sp),), reduced=reduced,
+                      frozen=frozen, words=words, lower=lower)
 
 
-# The words a linear layer takes (``FEATURE_WORDS``): output and input channels.
+# The words a linear layer takes (``FEATURE_WORDS``): output and input channels. A grouped
+# conv's output channels split by whole groups.
 CHANNEL_WORDS = {"out": "Co", "in": "Ci"}
+GROUPED_WORDS = {"out": "G", "in": "Ci"}
 
 
 @by_extent
@@ -63,3 +77,16 @@ def _lower_conv(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) 
         args, kw = set_arg(args, kwargs, 2, "bias", None)
         return LocalCall(call.op.target, args, kw)
     return LocalCall(call.op.target, args, tuple(kwargs.items()))
+
+
+def _lower_grouped_conv(per_group: int, channel_dim: int):
+    """A part's conv has as many groups as the part holds (its input channels over a group's
+    channels, split or not: the input channels of a group are split alike in every group)."""
+    @by_extent
+    def lower(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> LocalCall:
+        channels = math.prod(extent(f, ranges) for f in ann.inputs[0][channel_dim])
+        inside = math.prod(extent(f, ranges) for f in ann.inputs[1][1])
+        local = _lower_conv(call, ann, ranges, args, kwargs)
+        largs, lkw = set_arg(local.args, dict(local.kwargs), 6, "groups", channels // inside)
+        return LocalCall(local.target, largs, lkw, scale=local.scale)
+    return lower

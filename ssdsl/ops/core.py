@@ -362,8 +362,9 @@ def _check_range(call: Call, labels: Mapping[str, Label], name: str, start: int,
     if (start, stop) == (0, lab.size):
         return
     if lab.mark == "frozen":
+        where = f"; the operator is in '{op.module}'" if op.module else ""
         raise FrozenDimError(f"dimension '{name}' of operator '{op.name}' ({op.kind}) cannot be "
-                             f"split: {lab.reason}", hint="split another dimension, or "
+                             f"split: {lab.reason}{where}", hint="split another dimension, or "
                              "replicate this operator")
     if not 0 <= start < stop <= lab.size:
         raise IndivisibleError(f"range [{start}, {stop}) is outside dimension '{name}' of "

@@ -70,8 +70,11 @@ def matmul(call: Call) -> Annotation:
         asig, out = asig[-1:], out[:-2] + out[-1:]
     if len(b) == 1:
         bsig, out = bsig[-2:-1], out[:-1]
+    # ``x @ weight.T`` (Falcon's linear, a hand-written one): a matrix on the right is a
+    # linear's weight, and a plan names its dims as a linear's, ``out`` and ``in``
+    words = FEATURE_WORDS if len(b) == 2 else {}
     return Annotation((asig, bsig), (tuple(out),), reduced=frozenset({"k"}),
-                      names=_heads(a2, b2, bout))
+                      names=_heads(a2, b2, bout), words=words)
 
 
 def _heads(a, b, bout) -> dict[str, str]:

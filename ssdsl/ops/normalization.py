@@ -55,3 +55,24 @@ def _local_groups(call: Call, ann: Annotation, ranges: Mapping[str, Interval], a
     held = math.prod(extent(f, ranges) for f in channel)
     args, kw = set_arg(args, kwargs, 1, "num_groups", held // channel[-1].size)
     return LocalCall(call.op.target, args, kw)
+
+
+@register("aten._weight_norm.default")
+def weight_norm(call: Call) -> Annotation:
+    """``_weight_norm(v, g, dim)`` (``nn.utils.parametrizations.weight_norm``: Wav2Vec2's
+    positional conv): ``g * v / ||v||``, the norm taken for each index of ``dim`` over every
+    other dim, so ``dim`` may be split (``g`` holds one scale per index of it) and the other
+    dims are frozen; ``dim=-1`` takes one norm over the whole tensor."""
+    v, g = call.shape(0, "v"), call.shape(1, "g")
+    d = call.arg(2, "dim", 0)
+    labels = dims(len(v))
+    kept = None if d == -1 else (d + len(v) if d < 0 else d)
+    frozen = {lab: "weight norm takes its norm over it" for k, lab in enumerate(labels)
+              if k != kept}
+    if kept is not None and len(g) == len(v):
+        g_sig = tuple((Factor(labels[k] if k == kept else f"one{k}", s),)
+                      for k, s in enumerate(g))
+    else:
+        g_sig = plain([f"one{k}" for k in range(len(g))], g)
+        frozen.update({f"one{k}": "weight norm's scale" for k in range(len(g))})
+    return Annotation((plain(labels, v), g_sig), (plain(labels, v),), frozen=frozen)

@@ -86,12 +86,26 @@ def permute(call: Call) -> Annotation:
                       (plain([labels[p] for p in order], [src[p] for p in order]),))
 
 
-@register("aten.transpose.int", "aten.t.default")
+@register("aten.numpy_T.default")
+def numpy_t(call: Call) -> Annotation:
+    """``x.T``: every dim reversed (a transpose for a matrix: Falcon's ``x @ weight.T``)."""
+    (src,) = call.in_shapes
+    labels = dims(len(src))
+    return Annotation((plain(labels, src),), (plain(labels[::-1], src[::-1]),))
+
+
+@register("aten.transpose.int", "aten.t.default", "aten.mT.default", "aten.adjoint.default",
+          "aten.matrix_H.default")
 def transpose(call: Call) -> Annotation:
+    """``transpose(x, a, b)``; ``x.t()`` (a matrix, or a vector unchanged); ``x.mT``,
+    ``x.adjoint()`` and ``x.H`` swap the last two dims (the latter two conjugate too: an
+    elementwise map, so any split passes through them)."""
     (src,) = call.in_shapes
     labels = dims(len(src))
     if call.op.target == "aten.t.default":
         a, b = 0, len(src) - 1
+    elif call.op.target != "aten.transpose.int":
+        a, b = len(src) - 2, len(src) - 1
     else:
         a, b = (norm_dim(call.arg(k, n), len(src)) for k, n in ((1, "dim0"), (2, "dim1")))
     out = list(labels)
@@ -138,8 +152,10 @@ def _pieces(call: Call, whole_shape, piece_shapes, d: int, *, cat: bool) -> Anno
         whole = plain(labels, whole_shape)
         parts = tuple(plain([*labels[:d], f"p{k}", *labels[d + 1:]], s)
                       for k, s in enumerate(piece_shapes))
-        frozen.update({labels[d]: "cut into uneven pieces"} |
-                      {f"p{k}": "cut into uneven pieces" for k in range(len(parts))})
+        why = (f"cut into uneven pieces ({', '.join(str(s[d]) for s in piece_shapes)}: a "
+               "dim cut into pieces of different sizes, as a fused multi-query projection is "
+               "cut into query and key/value, is kept whole)")
+        frozen.update({labels[d]: why} | {f"p{k}": why for k in range(len(parts))})
         lower = None
     extra = {"lower": lower} if lower else {}
     if cat:
@@ -217,7 +233,10 @@ def slice_(call: Call) -> Annotation:
         frozen["r"] = "a stride of the slice"
     else:
         ins[d], outs[d] = (Factor("a", src[d]),), (Factor("b", dst[d]),)
-        frozen.update(a="sliced", b="sliced")
+        why = (f"sliced ([{start}:{end}] of {src[d]}: a slice of part of a dim keeps it whole, "
+               "as when a fused projection is sliced into query, key and value of different "
+               "sizes)")
+        frozen.update(a=why, b=why)
     return Annotation((tuple(ins),), (tuple(outs),), frozen=frozen, lower=_lower_slice)
 
 

@@ -13,6 +13,12 @@ into ``y = view(index(x, [None, J1, ..., Jm]), y.shape)`` when every ``Jk`` has 
 ``I`` and size 1 in its leading dim (so the new op's shape ``(N, 1, ...)`` views as ``y``'s):
 dim 0 of ``x`` then flows through as a plain dim (the batch), and the arange chain, used by
 nothing else, is dropped.
+
+A row pick, ``x[arange(N), j]`` with ``j`` of shape ``(N,)`` (row ``n`` of the result is
+``x[n, j[n]]``: the pooling at the last or the end-of-text token of CLIP's text model and of
+Hugging Face's ``*ForSequenceClassification``), pairs each row of ``x`` with one entry of ``j``:
+it is rewritten into ``x.gather(1, j.view(N, 1, ...).expand(N, 1, *rest)).view(N, *rest)``, the
+same values and gradients, whose dim 0 is shared by ``x``, ``j`` and the result (``gather``).
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ def _rewrite(op: Op, producer: Mapping[str, Op], tensors: dict[str, TensorInfo]
     if not rest or shape[:1] != (n,) or any(s != 1 for s in shape[1:]) \
             or not _is_arange_of(first.name, n, producer):
         return None
+    if len(rest) == 1 and shape == (n,) and tensors[rest[0].name].shape == (n,):
+        return _row_pick(op, x, rest[0], tensors)
     if any(len(tensors[j.name].shape) != len(shape) or tensors[j.name].shape[0] != 1
            for j in rest):
         return None
@@ -65,6 +73,32 @@ def _rewrite(op: Op, producer: Mapping[str, Op], tensors: dict[str, TensorInfo]
     view = Op(name=op.name, target="aten.view.default", kind="view", module=op.module,
               args=(TensorRef(mid), tuple(y.shape)), inputs=(mid,), outputs=op.outputs)
     return [lookup, view]
+
+
+def _row_pick(op: Op, x: TensorRef, j: TensorRef, tensors: dict[str, TensorInfo]
+              ) -> list[Op] | None:
+    """``x[arange(N), j]`` as a gather along dim 1 (module doc); None unless ``j`` holds int64
+    indices (``gather`` takes no other) and ``x`` has a dim to pick from."""
+    src, y = tensors[x.name], tensors[op.outputs[0]]
+    if len(src.shape) < 2 or tensors[j.name].dtype != "torch.int64":
+        return None
+    n, rest = src.shape[0], tuple(src.shape[2:])
+    names = [f"{op.name}_{k}" for k in ("rows", "wide", "picked")]
+    tensors[names[0]] = TensorInfo(names[0], (n, 1, *(1 for _ in rest)), "torch.int64")
+    tensors[names[1]] = TensorInfo(names[1], (n, 1, *rest), "torch.int64")
+    tensors[names[2]] = TensorInfo(names[2], (n, 1, *rest), y.dtype)
+
+    def made(name: str, target: str, args: tuple, ins: tuple[str, ...], out: str) -> Op:
+        return attrs.evolve(op, name=name, target=target, kind=target.split(".")[1], args=args,
+                            kwargs=(), inputs=ins, outputs=(out,), returns="one")
+    return [made(names[0], "aten.view.default", (j, tensors[names[0]].shape), (j.name,),
+                 names[0]),
+            made(names[1], "aten.expand.default", (TensorRef(names[0]), tensors[names[1]].shape),
+                 (names[0],), names[1]),
+            made(names[2], "aten.gather.default", (x, 1, TensorRef(names[1])),
+                 (x.name, names[1]), names[2]),
+            made(op.name, "aten.view.default", (TensorRef(names[2]), tuple(y.shape)),
+                 (names[2],), op.outputs[0])]
 
 
 def _is_arange_of(name: str, n: int, producer: Mapping[str, Op]) -> bool:

@@ -148,7 +148,12 @@ def graph_from_export(ep: torch.export.ExportedProgram,
     params, buffers, constants, inputs = {}, {}, {}, []
     for spec in ep.graph_signature.input_specs:
         name = spec.arg.name
-        if spec.kind == InputKind.PARAMETER:
+        if spec.kind == InputKind.PARAMETER and _frozen_parameter(ep, spec.target):
+            # requires_grad=False (Whisper's sinusoidal positions): state that training reads
+            # and never updates, as a buffer is; as a parameter it would get a gradient and an
+            # optimizer step the plain model never takes
+            buffers[name] = _strip(spec.target)
+        elif spec.kind == InputKind.PARAMETER:
             params[name] = _strip(spec.target)
         elif spec.kind == InputKind.BUFFER:
             buffers[name] = _strip(spec.target)
@@ -174,9 +179,16 @@ def graph_from_export(ep: torch.export.ExportedProgram,
                            frozen=_frozen_ops(ops, tensors, params, buffers, inputs, output,
                                               constants))
     tensors = flow_names(tuple(ops), tensors, seeds or {})
+    # tied names of frozen parameters too: a saved state has every name the model's has
     return Graph(ops=tuple(ops), tensors=tensors, params=params, buffers=buffers,
-                 inputs=tuple(inputs), output=output, aliases=_aliases(model, params),
-                 constants=constants)
+                 inputs=tuple(inputs), output=output,
+                 aliases=_aliases(model, {**params, **buffers}), constants=constants)
+
+
+def _frozen_parameter(ep: torch.export.ExportedProgram, target: str) -> bool:
+    """Whether the model's parameter ``target`` has ``requires_grad=False``."""
+    value = ep.state_dict.get(target)
+    return isinstance(value, torch.Tensor) and not value.requires_grad
 
 
 def _frozen_ops(ops, tensors, params, buffers, inputs, output, constants) -> frozenset[str]:

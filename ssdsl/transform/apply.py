@@ -39,6 +39,9 @@ class _Builder:
         self.graph = graph
         self.world = world
         self.notes: list[str] = []
+        self._readers: dict | None = None  # tensor -> the ops reading it, when first needed
+        # tensor -> (dim, factor position, factor sizes) of a split inner factor (``_record``)
+        self._inner: dict[str, tuple[int, int, tuple[int, ...]]] = {}
         if start is not None:  # continue from an earlier result (the schedule phase's assigns)
             self.anns = dict(start.annotations)
             self.parts = {k: list(v) for k, v in start.parts.items()}
@@ -74,6 +77,7 @@ class _Builder:
         # comes from, so the split tensor is made split instead of gathered and cut again.
         # Operators reached by no split are replicated.
         flowing: dict[str, int] = {}
+        self._inner = {}
         chosen: dict[str, str | None] = {}
         for name in names:
             chosen[name] = labels[name] or self._follow(name, flowing, d.parts)
@@ -119,6 +123,11 @@ class _Builder:
                 # either way each part holds one contiguous block of the dim
                 if factors and factors[0].label == label and (outer or len(factors) == 1):
                     flowing[tensor] = dim
+                elif outer and any(f.label == label for f in factors[1:]):
+                    # an inner factor (the features inside the gate and up halves of a fused
+                    # gate_up linear): a reader that cuts the dim alike follows that factor
+                    pos = next(k for k, f in enumerate(factors) if f.label == label)
+                    self._inner[tensor] = (dim, pos, tuple(f.size for f in factors))
 
     def _follow(self, name: str, flowing: dict[str, int], parts: int | None = None
                 ) -> str | None:
@@ -139,6 +148,13 @@ class _Builder:
                 continue
             if marks[label].mark == "spatial":
                 return label
+        for tensor, sig in zip(op.inputs, ann.inputs):
+            if tensor in flowing or tensor not in self._inner:
+                continue
+            dim, pos, sizes = self._inner[tensor]
+            if dim < len(sig) and tuple(f.size for f in sig[dim]) == sizes and \
+                    marks[sig[dim][pos].label].mark == "spatial":
+                return sig[dim][pos].label
         return None
 
     def _record_inputs(self, name: str, label: str, wanted: dict[str, tuple[int, int, int]]
@@ -188,10 +204,38 @@ class _Builder:
         factors = [lab for lab in labels if lab.startswith(f"{dim}.")
                    and labels[lab].mark != "frozen"]
         fits = [lab for lab in factors if parts is None or labels[lab].size % parts == 0]
-        for group in ([lab for lab in fits if lab in ann.names], fits, factors):
+        named = [lab for lab in fits if lab in ann.names]
+        # of unnamed factors, one that a reader picks pieces by (the gate-or-up of a fused
+        # gate_up linear that ``chunk(2)`` cuts: Phi-3) is a worse split than the one inside
+        # the pieces, which the reader's parts follow without a gather
+        free = [] if named or len(fits) < 2 else \
+            [lab for lab in fits if not self._picks_pieces(name, lab)]
+        for group in (named, free, fits, factors):
             if group:
                 return group[0]
         return None
+
+    def _picks_pieces(self, name: str, label: str) -> bool:
+        """Whether a reader of an output of ``name`` has, at the factor where ``label`` lies, a
+        label that cannot be split (a split's or chunk's piece index)."""
+        if self._readers is None:
+            self._readers = self.graph.consumers()
+        op, ann = self.graph.op(name), self.anns[name]
+        for tensor, sig in zip(op.outputs, ann.outputs):
+            for dim, factors in enumerate(sig):
+                pos = next((k for k, f in enumerate(factors) if f.label == label), None)
+                if pos is None:
+                    continue
+                for reader in self._readers.get(tensor, ()):
+                    rann = self.anns[reader.name]
+                    if isinstance(rann, NotAnnotated):
+                        continue
+                    marks = rann.labels()
+                    for t, rsig in zip(reader.inputs, rann.inputs):
+                        if t == tensor and dim < len(rsig) and len(rsig[dim]) == len(factors) \
+                                and marks[rsig[dim][pos].label].mark == "frozen":
+                            return True
+        return False
 
     def _missing_hint(self, names: Sequence[str], dim: str) -> str:
         """The nearest dim name the selected operators have (a misspelling), then where to

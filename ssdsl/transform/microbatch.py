@@ -266,11 +266,16 @@ def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Micro
         try:
             subs = memo[tuple(keys)] = ann.partition_along(call, label, ranges)
         except FrozenDimError as err:  # a batch statistic: no micro-batch has it alone
+            lookup = ann.labels()[label].reason == "looked up by index"
+            hint = ("the operator reads rows by index values computed while the model runs (a "
+                    "mixture of experts routing its tokens), which may point at any row of the "
+                    "batch: run without micro-batches (microbatches=1), or split the batch by "
+                    "data parallelism instead" if lookup else
+                    "each micro-batch runs every operator on its share of the batch, and this "
+                    "one needs all of it: run without micro-batches (microbatches=1), or change "
+                    "the model (a GroupNorm or LayerNorm for a BatchNorm)")
             raise NotMicrobatchable(f"{err.message}: micro-batches cannot split it", d.span,
-                                    hint="each micro-batch runs every operator on its share of "
-                                    "the batch, and this one needs all of it: run without "
-                                    "micro-batches (microbatches=1), or change the model (a "
-                                    "GroupNorm or LayerNorm for a BatchNorm)") from None
+                                    hint=hint) from None
         except SsdslError as err:
             raise _at(err, d.span) from None
     return [Part(part.op, part.index, part.replica, key, sub, part.device, part.span,
