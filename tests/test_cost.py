@@ -466,3 +466,34 @@ def test_recomputed_regions_read_once_per_rank_class_are_every_rank_s(gpt, tmp_p
     m = materialize(t, schedule=lowered)
     want = _direct_regions(m)
     assert want and recomputed_regions(m) == want
+
+
+@pytest.mark.parametrize("dims, groups, pad, stride", [
+    (2, 1, 1, 1), (2, 4, 1, 1), (2, 16, 1, 2), (2, 1, 0, 1), (1, 2, 2, 1), (2, 1, 0, 4)])
+def test_convolution_flops_are_torch_s_count(tmp_path, dims, groups, pad, stride):
+    from torch.utils.flop_counter import FlopCounterMode
+    kernel = 4 if stride == 4 else 3
+    conv, size = ("Conv2d", "12, 12") if dims == 2 else ("Conv1d", "12")
+    path = tmp_path / "conv.py"
+    path.write_text(textwrap.dedent(f"""
+        import torch, torch.nn as nn
+        BATCH_SIZE = 2
+        INPUT_DIMS = (("batch", "c", {'"h", "w"' if dims == 2 else '"t"'}),)
+        def build_model():
+            return nn.{conv}(16, 32, {kernel}, padding={pad}, stride={stride}, groups={groups})
+        def get_batch(step, b):
+            g = torch.Generator().manual_seed(step)
+            return torch.randn(b, 16, {size}, generator=g), torch.zeros(b)
+        def loss(out, target):
+            return out.sum()
+    """))
+    mf = load_model_file(path)
+    graph = trace(mf, device="meta")
+    t, _ = schedule_plan(graph, elaborate_file("dp", world=1, sets={}))
+    (op,) = [op for op in t.graph.ops if "conv" in op.target]
+    w = work_of(t.graph, op, t.annotations[op.name], t.parts[op.name][0], itemsize=4,
+                flash=False)
+    inputs, _ = mf.get_batch(0)
+    with FlopCounterMode(display=False) as counter:
+        mf.build()(*inputs)
+    assert w.flops == counter.get_total_flops()

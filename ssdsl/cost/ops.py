@@ -7,7 +7,8 @@ ATen name with ``@cost_rule`` as annotations are with ``ssdsl.ops.register``:
 - *matmul-like* (linear, matmul, mm, bmm, addmm, baddbmm, einsum): ``2 * prod(label sizes)``, the
   textbook ``2 M N K`` with batch dims; backward twice the forward (the input and the weight
   gradient are one product each);
-- *convolution*: the same over ``(N, Co, Ci/groups, output positions, kernel)``; backward twice;
+- *convolution*: the same over ``(N, groups, Co/groups, Ci/groups, output positions, kernel)``;
+  backward twice;
 - *attention* (sdpa): its two products, ``2 B H L S (E + Ev)``, half of them under a causal
   mask where the kernel skips the masked blocks (``DeviceProfile.skips_causal``); backward twice,
   plus one more ``Q K^T`` where a fused kernel recomputes the scores
@@ -107,7 +108,11 @@ def matmul_work(c: OpContext) -> Work:
 
 @cost_rule("conv1d", "conv2d", "conv3d", "convolution")
 def conv_work(c: OpContext) -> Work:
-    flops = 2.0 * math.prod(c.sizes.values()) / c.sizes.get("g", 1)
+    # the iteration space: batch, groups, output and input channels per group, output positions,
+    # kernel offsets; an input spatial dim that a window crosses has its own label (``h0``..),
+    # which is the input's extent, not a loop of the product
+    flops = 2.0 * math.prod(v for k, v in c.sizes.items()
+                            if not (k[:1] == "h" and k[1:].isdigit()))
     moved = sum(c.in_bytes) + sum(c.out_bytes)
     return Work(flops, moved, 2 * flops, 2 * moved, matmul=True)
 
