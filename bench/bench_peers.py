@@ -213,14 +213,11 @@ def eager_worker(model_path: str, steps: int) -> tuple[list[float], list[float]]
 
 
 # levers that ``--off`` can turn off, each as (module, attribute, value when off): the
-# runtime's, and three planning rules (one message per stage boundary value and receiving
-# device; a replicated loss reported by each rank without a collective; a pipeline stage's last
-# backward in two halves, the gradient it sends first)
+# runtime's, and two planning rules (one message per stage boundary value and receiving device;
+# a replicated loss reported by each rank without a collective)
 LEVERS = {
     "boundary": ("ssdsl.materialize.boundary", "ENABLED", False),
     "own_loss": ("ssdsl.lower.build", "OWN_LOSS", False),
-    # each stage's last backward lowered whole, not as input then weight gradients
-    "drain_split": ("ssdsl.lower.build", "DRAIN_SPLIT", False),
     "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
     "early_loss": ("ssdsl.runtime.early_loss", "ENABLED", False),
     "prebuilt": ("ssdsl.runtime.executor", "PREBUILD", False),

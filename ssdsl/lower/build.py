@@ -81,13 +81,6 @@ TAG_STRIDE = 4096
 # ``bench/bench_peers.py --off own_loss`` compares)
 OWN_LOSS = True
 
-# True lowers the last backward unit of each pipeline stage that sends a gradient to another rank
-# as its two halves, input gradients (with all the unit's communication) then weight gradients:
-# the stage before gets its last gradient without waiting for this stage's weight gradients, so
-# the pipeline's drain is shorter by them (``_RankLowering._drain_split``; ``bench/bench_peers.py
-# --off drain_split`` compares)
-DRAIN_SPLIT = True
-
 
 def tag_stride(m: Materialized) -> int:
     """The tag stride of ``m``'s programs (see ``TAG_STRIDE``)."""
@@ -420,29 +413,16 @@ class _RankLowering:
     def program(self) -> Program:
         units = next((us for group, us in self.c.units if self.rank in group), ())
         self.split = any(_split_unit(u)[1] in "IW" for u, _ in units)
-        zero_bubble = self.split
         frozen = self.m.schedule.schedule.stages.forward_only if self.m.schedule else frozenset()
         for unit, _ in units:
             if _split_unit(unit)[1] == "B":
                 self.last_backward[_split_unit(unit)[0]] = unit
-        # forwards whose backward is lowered in two halves (``DRAIN_SPLIT``): decided at the
-        # forward, which then reads weights through weight cuts
-        drain = {f"{s}F{k}" for s, _, k in (_split_unit(u) for u in self.last_backward.values())
-                 } if self._drain_split_allowed(zero_bubble) else set()
-        self.drained: set[str] = set()  # the forwards lowered so
         self.next_unit = {a: b for (a, _), (b, _) in zip(units, units[1:])}
         for unit, span in units:
             self.out.append(Begin(unit, span=span, grad=_split_unit(unit)[0] not in frozen))
             stage, pass_, mb = _split_unit(unit)
             if pass_ == "F":
-                if unit in drain and self._sends_gradient(stage):
-                    self.drained.add(unit)
-                self.split = zero_bubble or unit in self.drained
                 self._forward(unit, stage, mb)
-                self.split = zero_bubble
-            elif pass_ == "B" and f"{stage}F{mb}" in self.drained:
-                self._input_grad(stage, mb, span)
-                self._weight_grad(stage, mb, span)
             elif pass_ == "B":
                 self._backward(unit, stage, mb, span)
             elif pass_ == "I":
@@ -469,24 +449,6 @@ class _RankLowering:
             if self.rank in b.devices and b.zero in (1, 2):
                 self.out.append(GatherBucket(i, tuple(b.devices), tuple(b.entries), span=b.span))
         return Program(self.rank, self.t.world, tuple(_fill_recompute(self.out)))
-
-    def _drain_split_allowed(self, zero_bubble: bool) -> bool:
-        """Whether this rank's last backwards may be split in two (``DRAIN_SPLIT``): not in a
-        schedule that splits its backwards already, nor with recompute (each half would
-        recompute) or ZeRO stage 3 buckets here (gathered and reduced around whole backwards)."""
-        return (DRAIN_SPLIT and self.m.schedule is not None and not zero_bubble
-                and not self.c.recompute and not self.z3)
-
-    def _sends_gradient(self, stage: int) -> bool:
-        """Whether the backward of ``stage`` on this rank sends a gradient to another rank: its
-        forward receives a value with a gradient from one. Read off an earlier forward unit of
-        the stage (every micro-batch is lowered alike); none yet: False."""
-        items = next((its for unit, its in self.forward_items.items()
-                      if _split_unit(unit)[0] == stage), ())
-        return any(isinstance(it, _Point) and it.comm.grad
-                   and any(isinstance(st, P2P) and any(m.kind == "recv" for m in st.msgs)
-                           for st in it.comm.steps)
-                   for it in items)
 
     def _anchor(self) -> Span | None:
         """A plan line for the step's tail: the first assign that placed a part here."""
