@@ -81,6 +81,21 @@ def _patch_dist() -> None:
     dist.isend = posting("isend", orig_isend)
 
 
+def _gc_timer(buckets: dict) -> None:
+    """Count each generation's cyclic collections and the time they take into ``buckets``."""
+    import gc
+    began = [0.0]
+
+    def cb(phase, info):
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            g = info["generation"]
+            buckets[f"gc{g}"] += time.perf_counter() - began[0]
+            buckets[f"n:gc{g}"] += 1
+    gc.callbacks.append(cb)
+
+
 def ssdsl_prof(model_path: str, plan: str, steps: int) -> list[dict]:
     import ssdsl
     from ssdsl.runtime import executor
@@ -122,6 +137,7 @@ def ssdsl_prof(model_path: str, plan: str, steps: int) -> list[dict]:
         return None
 
     runner.visit = visit.__get__(runner)
+    _gc_timer(buckets)
     line: list = []
     t_step = [0.0]
     out = []
@@ -143,7 +159,7 @@ def ssdsl_prof(model_path: str, plan: str, steps: int) -> list[dict]:
         row.update({(k[:2] + "post:" + k[2:]) if k.startswith("n:") else "post:" + k: v
                     for k, v in _POSTS.items()})
         row["in_instructions"] = sum(v for k, v in buckets.items()
-                                    if not k.startswith(("n:", "cpu")))
+                                    if not k.startswith(("n:", "cpu", "gc")))
         row["line"] = list(line)
         row["t0"] = t
         out.append(row)
@@ -180,6 +196,7 @@ def torch_prof(model_path: str, kind: str, microbatches: int, steps: int) -> lis
                     line.append((f"{name}{mb}", t, t1))
         return run
 
+    _gc_timer(buckets)
     schedules._wait_batch_p2p = timed("wait:p2p", schedules._wait_batch_p2p)
     schedules._batch_p2p = timed("post:p2p", schedules._batch_p2p)
     mf = load_model_file(model_path)
