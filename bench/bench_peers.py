@@ -220,6 +220,7 @@ LEVERS = {
     "own_loss": ("ssdsl.lower.build", "OWN_LOSS", False),
     "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
     "early_loss": ("ssdsl.runtime.early_loss", "ENABLED", False),
+    "sender": ("ssdsl.runtime.sender", "ENABLED", False),
     "prebuilt": ("ssdsl.runtime.executor", "PREBUILD", False),
     "overlap": ("ssdsl.runtime.overlap", "PART_BYTES", 0),
     # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB

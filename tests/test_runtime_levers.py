@@ -1,7 +1,8 @@
 """The executor's speed levers change no result: receives posted a unit ahead
 (``ssdsl.runtime.early``), buckets reduced in parts during the last backward
-(``ssdsl.runtime.overlap``), the loss summed while the step runs (``ssdsl.runtime.early_loss``)
-and prebuilt handlers (``ssdsl.runtime.prebuilt``).
+(``ssdsl.runtime.overlap``), the loss summed while the step runs (``ssdsl.runtime.early_loss``),
+sends issued by a thread of their own (``ssdsl.runtime.sender``) and prebuilt handlers
+(``ssdsl.runtime.prebuilt``).
 
 The oracle is the plain model trained in this process (float64, SGD) on the same batches; the
 ranks run ``ssdsl.parallelize`` with the levers set as given, so that a bucket of the tiny GPT
@@ -75,6 +76,8 @@ def assert_matches(got: tuple, want: tuple[list[float], dict]) -> None:
     ("1f1b", 2, {"microbatches": "4"}, "loss_early"),
     ("gpipe", 4, {"microbatches": "4"}, "loss_early"),
     ("interleaved_1f1b", 2, {"microbatches": "4"}, "loss_early"),
+    ("1f1b", 4, {"microbatches": "4"}, "sends_threaded"),
+    ("zb_h1", 2, {"microbatches": "4"}, "sends_threaded"),
     ("dp_tp_1f1b", 8, {"dp": "2", "tp": "2", "microbatches": "4"}, "posted_early"),
     ("dp_zero", 2, {}, None),  # sharded buckets reduce after the backward, as before
 ])

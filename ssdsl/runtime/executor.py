@@ -41,6 +41,7 @@ from ssdsl.runtime.groups import ProcessGroups, groups_of
 from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.overlap import OverlapPlan, Parts, overlap_plan
 from ssdsl.runtime.prebuilt import prebuild
+from ssdsl.runtime import sender as sending
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
 from ssdsl.runtime.zero import ZeroShard, model_state_bytes, optimizer_params, zero_shards
@@ -597,13 +598,15 @@ class DistRunner(Runner):
         self.started: dict[int, list[tuple[int, Any, torch.Tensor]]] = {}
         self.parts: Parts | None = None
         self._backwards = 0
-        self.counts = {"posted_early": 0, "parts_overlapped": 0, "loss_early": 0}  # for tests
+        self.counts = {"posted_early": 0, "parts_overlapped": 0, "loss_early": 0,
+                       "sends_threaded": 0}  # over the run, for tests
         self._bucket_groups: dict[int, tuple[int, ...]] = {}
         # the loss's all-reduce started while the step runs (``ssdsl.runtime.early_loss``): where
         # in a whole step, the units ended so far, the all-reduce in flight and its buffer
         self.loss_plan: LossPlan | None = None
         self._ends = 0
         self._loss_work: tuple[Any, torch.Tensor] | None = None
+        self._sender: sending.Sender | None = None
 
     def start(self, batch: tuple[torch.Tensor, ...]) -> None:
         super().start(batch)
@@ -612,6 +615,8 @@ class DistRunner(Runner):
         self._ends = 0
         self._loss_work = None
         self.started = {}
+        # this step's sends go through the process's sender thread (``ssdsl.runtime.sender``)
+        self._sender = sending.sender() if sending.ENABLED else None
 
     # -- buckets reduced during the last backward --------------------------------------------------
     def on_backward(self, ins) -> None:
@@ -730,9 +735,15 @@ class DistRunner(Runner):
         return iter(())
 
     def post(self, msg, piece: torch.Tensor, ins: Any) -> None:
-        isend(piece, msg.peer, msg.tag)
+        if self._sender is not None:
+            self._sender.post(piece, msg.peer, msg.tag)
+            self.counts["sends_threaded"] += 1
+        else:
+            isend(piece, msg.peer, msg.tag)
 
     def on_wait_sends(self, ins) -> None:
+        if self._sender is not None:
+            self._sender.wait()
         wait_sends()
 
     # ZeRO stage 3 on torch.distributed: the all-gather runs in flight from ``GatherParams`` to
