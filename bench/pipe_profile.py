@@ -4,10 +4,15 @@
 
 ssdsl's side: every instruction the executor visits is timed (``Runner.visit`` and the walk of
 its waits), and the time spent inside torch.distributed's blocking calls (``Work.wait``, ``recv``,
-collectives) is counted apart as *wait*; torch's side: ``forward_one_chunk``,
-``backward_one_chunk``, the p2p waits, the optimizer and the loss all-reduce. Prints, per side
-and rank, the median over the steps after ``--warmup`` of each bucket (ms), and the step. A
-diagnostic: the time stamps cost a little themselves (a few microseconds per instruction).
+collectives) is counted apart as ``wait:KIND``; posting an ``isend``/``irecv`` as ``post:...``;
+the main thread's CPU time per kind as ``cpu:KIND``. torch's side: ``forward_one_chunk``,
+``backward_one_chunk``, the p2p posts and waits, the optimizer and the loss all-reduce, with
+their CPU time likewise. Both: the process's CPU time (``cpu``, communication threads included),
+the main thread's (``cpu_main``) and cyclic GC (``gcN``). Prints, per round, side and rank, the
+median over the steps after ``--warmup`` of each bucket (ms; ``n:`` counts) and the time line of
+the median step (``line``: unit begins/ends and waits, ms from the first rank's start on the
+ranks' shared monotonic clock). A diagnostic: the time stamps cost a little themselves (a few
+microseconds per instruction); CPU times move less with a loaded machine than wall times.
 """
 
 from __future__ import annotations
