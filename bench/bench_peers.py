@@ -222,6 +222,7 @@ LEVERS = {
     "early_loss": ("ssdsl.runtime.early_loss", "ENABLED", False),
     "sender": ("ssdsl.runtime.sender", "ENABLED", False),
     "prebuilt": ("ssdsl.runtime.executor", "PREBUILD", False),
+    "direct_op": ("ssdsl.runtime.prebuilt", "DIRECT", False),
     "overlap": ("ssdsl.runtime.overlap", "PART_BYTES", 0),
     # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB
     "rest_parts": ("ssdsl.runtime.overlap", "REST_PART_BYTES", None),
