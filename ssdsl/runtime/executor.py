@@ -606,6 +606,7 @@ class DistRunner(Runner):
         self.loss_plan: LossPlan | None = None
         self._ends = 0
         self._loss_work: tuple[Any, torch.Tensor] | None = None
+        self._threaded = False
         self._sender: sending.Sender | None = None
 
     def start(self, batch: tuple[torch.Tensor, ...]) -> None:
@@ -615,8 +616,10 @@ class DistRunner(Runner):
         self._ends = 0
         self._loss_work = None
         self.started = {}
-        # this step's sends go through the process's sender thread (``ssdsl.runtime.sender``)
-        self._sender = sending.sender() if sending.ENABLED else None
+        # this step's sends go through the process's sender thread (``ssdsl.runtime.sender``),
+        # started by the first send
+        self._threaded = sending.ENABLED
+        self._sender = None
 
     # -- buckets reduced during the last backward --------------------------------------------------
     def on_backward(self, ins) -> None:
@@ -735,7 +738,9 @@ class DistRunner(Runner):
         return iter(())
 
     def post(self, msg, piece: torch.Tensor, ins: Any) -> None:
-        if self._sender is not None:
+        if self._threaded:
+            if self._sender is None:
+                self._sender = sending.sender()
             self._sender.post(piece, msg.peer, msg.tag)
             self.counts["sends_threaded"] += 1
         else:

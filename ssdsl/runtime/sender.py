@@ -14,6 +14,7 @@ where the program waits for them.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
@@ -73,11 +74,14 @@ class Sender:
         return len(issued)
 
 
-_SENDER: list[Sender] = []
+_SENDER: dict[int, Sender] = {}  # process id -> its sender (a forked child starts its own)
 
 
 def sender() -> Sender:
     """This process's sender (started on first use)."""
-    if not _SENDER:
-        _SENDER.append(Sender())
-    return _SENDER[0]
+    pid = os.getpid()
+    found = _SENDER.get(pid)
+    if found is None:
+        _SENDER.clear()
+        found = _SENDER[pid] = Sender()
+    return found
