@@ -219,7 +219,10 @@ LEVERS = {
     "boundary": ("ssdsl.materialize.boundary", "ENABLED", False),
     "own_loss": ("ssdsl.lower.build", "OWN_LOSS", False),
     "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
+    "early_loss": ("ssdsl.runtime.early_loss", "ENABLED", False),
+    "sender": ("ssdsl.runtime.sender", "ENABLED", False),
     "prebuilt": ("ssdsl.runtime.executor", "PREBUILD", False),
+    "direct_op": ("ssdsl.runtime.prebuilt", "DIRECT", False),
     "overlap": ("ssdsl.lower.overlap", "PART_BYTES", 0),
     # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB
     "rest_parts": ("ssdsl.lower.overlap", "REST_PART_BYTES", None),

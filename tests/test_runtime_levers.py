@@ -1,6 +1,8 @@
 """The executor's speed levers change no result: receives posted a unit ahead
 (``ssdsl.runtime.early``), buckets reduced in parts during the last backward
-(``ssdsl.runtime.overlap``) and prebuilt handlers (``ssdsl.runtime.prebuilt``).
+(``ssdsl.runtime.overlap``), the loss summed while the step runs (``ssdsl.runtime.early_loss``),
+sends issued by a thread of their own (``ssdsl.runtime.sender``) and prebuilt handlers
+(``ssdsl.runtime.prebuilt``).
 
 The oracle is the plain model trained in this process (float64, SGD) on the same batches; the
 ranks run ``ssdsl.parallelize`` with the levers set as given, so that a bucket of the tiny GPT
@@ -70,6 +72,12 @@ def assert_matches(got: tuple, want: tuple[list[float], dict]) -> None:
     ("megatron_tp", 2, {}, None),  # no bucket: the replicated weights' gradients agree
     ("dp_tp", 4, {"dp": "2", "tp": "2"}, "parts_overlapped"),
     ("1f1b", 2, {"microbatches": "4"}, "posted_early"),
+    # the reported losses come from the all-reduce started early
+    ("1f1b", 2, {"microbatches": "4"}, "loss_early"),
+    ("gpipe", 4, {"microbatches": "4"}, "loss_early"),
+    ("interleaved_1f1b", 2, {"microbatches": "4"}, "loss_early"),
+    ("1f1b", 4, {"microbatches": "4"}, "sends_threaded"),
+    ("zb_h1", 2, {"microbatches": "4"}, "sends_threaded"),
     ("dp_tp_1f1b", 8, {"dp": "2", "tp": "2", "microbatches": "4"}, "posted_early"),
     ("dp_zero", 2, {}, None),  # sharded buckets reduce after the backward, as before
 ])
@@ -109,6 +117,38 @@ def test_overlap_parts_start_from_the_bucket_end_and_stop_at_a_meeting():
     assert overlap_plan(blocked, sizes, part_bytes=32) is None  # a collective stands between
     assert overlap_plan(prog, sizes, part_bytes=0) is None
     assert overlap_plan(prog, sizes, part_bytes=1 << 20) is None  # one part: left in place
+
+
+def test_the_loss_starts_after_the_last_unit_with_a_loss_call_unless_its_group_meets():
+    """``loss_plan``'s positions, written out by hand: the last stage's share is final at the
+    end of its last unit with a loss call, a rank without one starts at once, and another
+    collective on the loss's group before ``LossSum`` keeps the all-reduce in place."""
+    from ssdsl.lower.instr import Begin, Call, Coll, Comm, End, LossSum, OptimizerStep
+    from ssdsl.ops.core import LocalCall
+    from ssdsl.runtime import early_loss
+
+    def loss_call(mb: int) -> Call:
+        return Call("loss", (), (f"l@{mb}",), ("x",), LocalCall("aten.sum.default", ()),
+                    False, True, True)
+    tail = (LossSum((0, 1)), OptimizerStep())
+    last = Program(1, 2, (Begin("1F0"), loss_call(0), End("1F0"), Begin("1B0"), End("1B0"),
+                          Begin("1F1"), loss_call(1), End("1F1"), Begin("1B1"), End("1B1"))
+                   + tail)
+    assert early_loss.loss_plan(last) == early_loss.LossPlan(2, (0, 1))  # the third End
+    first = Program(0, 2, (Begin("0F0"), End("0F0"), Begin("0B0"), End("0B0")) + tail)
+    assert early_loss.loss_plan(first) == early_loss.LossPlan(-1, (0, 1))
+    meets = Comm(0, 0, False, ("x",), ("y",), ((2,),), "float", (Coll("all_reduce", (1, 0)),))
+    blocked = Program(0, 2, (Begin("0F0"), meets, End("0F0")) + tail)
+    assert early_loss.loss_plan(blocked) is None
+    other = Comm(0, 0, False, ("x",), ("y",), ((2,),), "float", (Coll("all_reduce", (0, 2)),))
+    assert early_loss.loss_plan(Program(0, 3, (Begin("0F0"), other, End("0F0"), LossSum(
+        (0, 1, 2)), OptimizerStep()))) == early_loss.LossPlan(-1, (0, 1, 2))
+    assert early_loss.loss_plan(Program(0, 2, tail[1:])) is None  # no LossSum
+    early_loss.ENABLED = False
+    try:
+        assert early_loss.loss_plan(last) is None
+    finally:
+        early_loss.ENABLED = True
 
 
 def test_early_receives_skip_a_tag_used_twice():

@@ -36,10 +36,12 @@ from ssdsl.materialize.program import Materialized
 from ssdsl.runtime.comm import (coll_on_rank, isend, local_coll, start_all_gather_into,
                                 start_reduce_scatter, wait_sends)
 from ssdsl.runtime.early import EarlyRecv, early_receives
+from ssdsl.runtime.early_loss import LossPlan, loss_plan
 from ssdsl.runtime.groups import ProcessGroups, groups_of
 from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.overlap import OverlapPlan, Parts, overlap_plan
 from ssdsl.runtime.prebuilt import prebuild
+from ssdsl.runtime import sender as sending
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
 from ssdsl.runtime.zero import ZeroShard, model_state_bytes, optimizer_params, zero_shards
@@ -596,14 +598,28 @@ class DistRunner(Runner):
         self.started: dict[int, list[tuple[int, Any, torch.Tensor]]] = {}
         self.parts: Parts | None = None
         self._backwards = 0
-        self.counts = {"posted_early": 0, "parts_overlapped": 0}  # over the run, for tests
+        self.counts = {"posted_early": 0, "parts_overlapped": 0, "loss_early": 0,
+                       "sends_threaded": 0}  # over the run, for tests
         self._bucket_groups: dict[int, tuple[int, ...]] = {}
+        # the loss's all-reduce started while the step runs (``ssdsl.runtime.early_loss``): where
+        # in a whole step, the units ended so far, the all-reduce in flight and its buffer
+        self.loss_plan: LossPlan | None = None
+        self._ends = 0
+        self._loss_work: tuple[Any, torch.Tensor] | None = None
+        self._threaded = False
+        self._sender: sending.Sender | None = None
 
     def start(self, batch: tuple[torch.Tensor, ...]) -> None:
         super().start(batch)
         self._units = 0
         self._backwards = 0
+        self._ends = 0
+        self._loss_work = None
         self.started = {}
+        # this step's sends go through the process's sender thread (``ssdsl.runtime.sender``),
+        # started by the first send
+        self._threaded = sending.ENABLED
+        self._sender = None
 
     # -- buckets reduced during the last backward --------------------------------------------------
     def on_backward(self, ins) -> None:
@@ -658,8 +674,34 @@ class DistRunner(Runner):
             if offset < buf.numel():  # the loss rode in this part
                 self.loss_total = float(buf[offset].item())
 
+    # -- the loss summed while the step runs ---------------------------------------------------------
+    def _start_loss(self) -> None:
+        buf = torch.tensor([self._my_loss()], dtype=torch.float64)
+        group = self.loss_plan.group
+        work = dist.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
+                               async_op=True)
+        self._loss_work = (work, buf)
+        self.counts["loss_early"] += 1
+
+    def on_end(self, ins) -> None:
+        super().on_end(ins)
+        self._ends += 1
+        if self.loss_plan is not None and self._ends - 1 == self.loss_plan.after:
+            self._start_loss()
+
+    def on_loss_sum(self, ins) -> Iterator[Wait] | None:
+        if self._loss_work is None:
+            return super().on_loss_sum(ins)
+        work, buf = self._loss_work
+        self._loss_work = None
+        work.wait()
+        self.loss_total = float(buf.item())
+        return None
+
     def on_begin(self, ins) -> None:
         super().on_begin(ins)
+        if self._units == 0 and self.loss_plan is not None and self.loss_plan.after == -1:
+            self._start_loss()  # this rank counts no loss part: its share is known now
         i, self._units = self._units, self._units + 1
         for r in self.early[i] if i < len(self.early) else ():
             buf = torch.empty(r.shape, dtype=_dtype(r.dtype, self.dtype), device=self.device)
@@ -696,9 +738,17 @@ class DistRunner(Runner):
         return iter(())
 
     def post(self, msg, piece: torch.Tensor, ins: Any) -> None:
-        isend(piece, msg.peer, msg.tag)
+        if self._threaded:
+            if self._sender is None:
+                self._sender = sending.sender()
+            self._sender.post(piece, msg.peer, msg.tag)
+            self.counts["sends_threaded"] += 1
+        else:
+            isend(piece, msg.peer, msg.tag)
 
     def on_wait_sends(self, ins) -> None:
+        if self._sender is not None:
+            self._sender.wait()
         wait_sends()
 
     # ZeRO stage 3 on torch.distributed: the all-gather runs in flight from ``GatherParams`` to
@@ -777,6 +827,7 @@ class RankProgram:
         self.runner = DistRunner(rank, self.state, dtype=dtype, opt=self.opt, groups=groups,
                                  zero=self.zero)
         self._early: tuple | None = None  # early_receives(program), on the first whole step
+        self._loss_plan: LossPlan | None = None
         self._overlap: OverlapPlan | None = None
 
     def _overlap_plan(self) -> OverlapPlan | None:
@@ -890,17 +941,20 @@ class RankProgram:
     @contextmanager
     def whole_step(self) -> Iterator[None]:
         """Around a walk of the whole program: receives are posted a unit ahead
-        (``ssdsl.runtime.early``) and buckets reduced during the last backward
-        (``ssdsl.runtime.overlap``); a partial walk (``run_unit``) does neither."""
+        (``ssdsl.runtime.early``), buckets reduced during the last backward
+        (``ssdsl.runtime.overlap``) and the loss summed as soon as this rank's share is known
+        (``ssdsl.runtime.early_loss``); a partial walk (``run_unit``) does none of them."""
         runner = self.runner
         if self._early is None:
             self._early = early_receives(self.program)
             self._overlap = self._overlap_plan()
+            self._loss_plan = loss_plan(self.program)
         runner.early, runner.overlap = self._early, self._overlap
+        runner.loss_plan = self._loss_plan
         try:
             yield
         finally:
-            runner.early, runner.overlap = (), None
+            runner.early, runner.overlap, runner.loss_plan = (), None, None
         if runner.posted:  # every posted receive is waited for by its instruction
             raise RuntimeError(f"rank {self.rank}: receives posted early and never waited for: "
                                f"{sorted(runner.posted)}")

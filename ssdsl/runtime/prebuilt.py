@@ -22,6 +22,10 @@ from ssdsl.ops.core import Slot, _map_slots
 
 Handler = Callable[[Any], Any]
 
+# True calls an ATen overload's own callable (``OpOverload._op``) rather than the overload object
+# (benchmarks compare)
+DIRECT = True
+
 
 def _has_slot(value: Any) -> bool:
     if isinstance(value, Slot):
@@ -54,6 +58,9 @@ def _call(runner: Any, ins: Any) -> Handler:
     if runner.retype is not None:
         return runner.on_call
     fn = resolve_target(lc.target)
+    if DIRECT:
+        # what ``OpOverload.__call__`` calls: the same operator, one Python frame less per call
+        fn = getattr(fn, "_op", fn)
     bind = _binder(lc.args, ins.ins)
     kw_names = tuple(k for k, _ in lc.kwargs)
     kw_bind = _binder(tuple(v for _, v in lc.kwargs), ins.ins) if lc.kwargs else None
