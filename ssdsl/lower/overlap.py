@@ -77,17 +77,25 @@ def overlapped_buckets(buckets, nbytes: dict) -> dict[int, tuple[tuple[int, ...]
     its last backward as the lowering puts them (``ssdsl.materialize.reducer.Bucket``s, or
     anything with ``entries``, ``zero`` and ``devices``): position in ``buckets`` -> its parts.
     The cost model reads it, so that what it overlaps is what the executor overlaps."""
-    if PART_BYTES <= 0:
-        return {}
     parts: dict[int, tuple[tuple[int, ...], ...]] = {}
     for i, b in enumerate(buckets):
-        if b.zero or len(b.devices) < 2:
-            break
-        split = _parts(b, [nbytes[e] for e in b.entries], PART_BYTES, REST_PART_BYTES)
-        if len(split) < 2:
+        split = _split(b, len(b.devices), nbytes, PART_BYTES, REST_PART_BYTES)
+        if split is None:
             break
         parts[i] = split
     return parts
+
+
+def _split(bucket, members: int, nbytes: dict, part_bytes: int, rest_bytes: int | None
+           ) -> tuple[tuple[int, ...], ...] | None:
+    """A bucket's parts if it may be reduced in parts during the last backward, else None:
+    a plain all-reduce (no ZeRO) over 2 or more members that splits into 2 or more parts (a
+    small bucket's one all-reduce is quicker where it stands, and the buckets after it must not
+    start before it)."""
+    if part_bytes <= 0 or bucket.zero or members < 2:
+        return None
+    split = _parts(bucket, [nbytes[e] for e in bucket.entries], part_bytes, rest_bytes)
+    return split if len(split) >= 2 else None
 
 
 def overlap_plan(program: Program, nbytes: dict, *, part_bytes: int | None = None,
@@ -108,10 +116,9 @@ def overlap_plan(program: Program, nbytes: dict, *, part_bytes: int | None = Non
     for ins in program.instructions[lasts[-1] + 1:]:
         if ins.kind in _QUIET:
             continue
-        if ins.kind != "reduce" or ins.zero or len(ins.group) < 2:
+        split = _split(ins, len(ins.group), nbytes, part_bytes, rest_bytes) \
+            if ins.kind == "reduce" else None
+        if split is None:
             break
-        split = _parts(ins, [nbytes[e] for e in ins.entries], part_bytes, rest_bytes)
-        if len(split) < 2:  # a small bucket: its one all-reduce is quicker where it stands
-            break  # (and the buckets after it must not start before it)
         parts[ins.bucket] = split
     return OverlapPlan(len(lasts) - 1, parts) if parts else None
