@@ -223,6 +223,8 @@ LEVERS = {
     "sender": ("ssdsl.runtime.sender", "ENABLED", False),
     "prebuilt": ("ssdsl.runtime.executor", "PREBUILD", False),
     "direct_op": ("ssdsl.runtime.prebuilt", "DIRECT", False),
+    "bindings": ("ssdsl.runtime.prebuilt", "BINDINGS", False),
+    "run_loop": ("ssdsl.runtime.executor", "RUN_LOOP", False),
     "overlap": ("ssdsl.lower.overlap", "PART_BYTES", 0),
     # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB
     "rest_parts": ("ssdsl.lower.overlap", "REST_PART_BYTES", None),

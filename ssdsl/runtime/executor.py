@@ -50,6 +50,9 @@ from ssdsl.trace.model_file import ModelFile, ModelFileContract
 
 # whether ``Runner`` runs calls and batch inputs through prebuilt closures (benchmarks compare)
 PREBUILD = True
+# whether ``Runner.run`` walks a program through its handlers looked up once per program (off:
+# through ``walk`` and ``visit``, per instruction; benchmarks compare)
+RUN_LOOP = True
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -182,6 +185,7 @@ class Runner(Handler):
         self._replay = False
         self._frozen = False  # inside a forward-only unit
         self._prebuilt: dict[int, tuple[Any, Any]] = {}  # id(instruction) -> (it, handler)
+        self._sequences: dict[int, tuple[Program, list]] = {}  # id(program) -> (it, steps)
         # the state and its leaves that ``on_step`` makes sure have a gradient
         self._stepped: tuple[RankState, list[torch.Tensor]] | None = None
 
@@ -220,6 +224,33 @@ class Runner(Handler):
         with torch.no_grad():
             waits = handler(ins)
         return None if waits is None else _without_grad(waits)
+
+    def run(self, program: Program) -> None:
+        """Walk all of ``program`` on a runner that never waits (the distributed one): what
+        ``walk(program, self)`` does, with each instruction's handler looked up once per
+        program instead of once per instruction and step."""
+        if type(self).visit is not Runner.visit or not RUN_LOOP:  # a subclass dispatches its way
+            for _ in walk(program, self):
+                raise RuntimeError("a distributed runner never waits")
+            return
+        steps = self._sequence(program)
+        for ins, handler in steps:
+            if self._region is None and not self._frozen:
+                waits = handler(ins)
+            else:
+                waits = self.visit(ins)
+            if waits is not None:
+                for _ in waits:
+                    raise RuntimeError("a distributed runner never waits")
+
+    def _sequence(self, program: Program) -> list[tuple[Any, Any]]:
+        """``program``'s instructions, each beside its handler (built once per program)."""
+        got = self._sequences.get(id(program))
+        if got is not None and got[0] is program:
+            return got[1]
+        steps = [(ins, self._handler(ins)) for ins in program.instructions]
+        self._sequences[id(program)] = (program, steps)
+        return steps
 
     def _handler(self, ins: Any) -> Any:
         """``ins``'s handler, built once (``ssdsl.runtime.prebuilt``; a subclass that overrides
@@ -933,8 +964,7 @@ class RankProgram:
         self.opt.zero_grad(set_to_none=True)
         self.begin(batch)
         with self.whole_step():
-            for _ in walk(self.program, self.runner):
-                raise RuntimeError("a distributed runner never waits")
+            self.runner.run(self.program)
         self.runner.env, self.runner.grads = {}, {}
         return self.runner.loss_total
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ssdsl.ir.interpret import resolve_target
 from ssdsl.ir.region import Region
 from ssdsl.ops.core import Slot, _map_slots
@@ -25,6 +27,162 @@ Handler = Callable[[Any], Any]
 # True calls an ATen overload's own callable (``OpOverload._op``) rather than the overload object
 # (benchmarks compare)
 DIRECT = True
+# True calls torch's own Python binding of an ATen operator (``torch._C._nn.linear``,
+# ``torch._C._VariableFunctions.transpose``) where every call of the instruction
+# reaches the traced overload through it (``fast_binding``): its argument parser is generated C++,
+# about a microsecond a call cheaper than an overload's schema matching
+BINDINGS = True
+# True runs the overload as well after each call through a binding and raises where the two
+# differ in value, dtype, shape or strides (tests)
+CHECK_BINDINGS = False
+
+_NO_BINDING = object()
+
+
+def _tensor_overloads(packet: Any) -> dict[str, Any]:
+    """The overloads of ``packet`` that take a tensor and write no ``out=`` (TorchScript's
+    scalar and list overloads, ``add.int`` and the like, are not reachable with tensors)."""
+    out = {}
+    for name in packet.overloads():
+        schema = getattr(packet, name)._schema
+        args = schema.arguments
+        if any(a.is_out or (a.alias_info is not None and a.alias_info.is_write) for a in args):
+            continue
+        if any("Tensor" in str(a.type) for a in args):
+            out[name] = schema
+    return out
+
+
+def _positional(schema: Any) -> tuple[int, int]:
+    """(required, all) positional arguments of ``schema``."""
+    pos = [a for a in schema.arguments if not a.kwarg_only]
+    return sum(1 for a in pos if not a.has_default_value()), len(pos)
+
+
+def _kind(arg: Any) -> str:
+    """What a Python value must be to bind ``arg``, coarsely: a dtype, a name, or anything else."""
+    real = str(getattr(arg, "real_type", arg.type))
+    if "ScalarType" in real:
+        return "dtype"
+    if real in ("str", "Dimname", "Optional[str]", "List[str]"):
+        return "name"
+    return "value"
+
+
+def _reaches(ours: str, schemas: dict[str, Any], npos: int, kwargs: frozenset[str]) -> bool:
+    """Whether every call with ``npos`` positional arguments and keywords ``kwargs`` that binds
+    overload ``ours`` also binds it among all of ``schemas`` (so a binding that tries them all,
+    as torch's argument parser does, takes ``ours``): each other overload is told apart by the
+    number of positional arguments, by a keyword one of them lacks, or by a dtype or a name where ours
+    takes something else; ``X.Scalar`` is ``X.Tensor`` with the scalar wrapped (ATen's rule),
+    so it may stand in for ``X.Tensor``."""
+    mine = schemas[ours]
+    for name, schema in schemas.items():
+        if name == ours or (ours == "Tensor" and name == "Scalar"):
+            continue
+        lo, hi = _positional(schema)
+        if not lo <= npos <= hi:
+            continue
+        keywords = [a for a in schema.arguments if a.kwarg_only]
+        if not kwargs <= {a.name for a in keywords}:
+            continue  # we pass a keyword it lacks
+        if any(not a.has_default_value() and a.name not in kwargs for a in keywords):
+            continue  # it needs a keyword we do not pass
+        pos_mine = [a for a in mine.arguments if not a.kwarg_only][:npos]
+        pos_other = [a for a in schema.arguments if not a.kwarg_only][:npos]
+        if any(_kind(a) != _kind(b) and "value" in (_kind(a), _kind(b)) or
+               {_kind(a), _kind(b)} == {"dtype", "name"} for a, b in zip(pos_mine, pos_other)):
+            continue
+        return False
+    return True
+
+
+def _number_for_a_tensor(schemas: dict[str, Any], ours: str) -> bool:
+    """Whether ``ours`` takes a number where another overload takes a tensor: torch's parser
+    settles that by its own signatures, deprecated ones included (``torch.add(x, 2, 0.5)`` binds
+    ``add(Tensor, Number alpha, Tensor other)``), which the schemas do not show."""
+    mine = [a for a in schemas[ours].arguments if not a.kwarg_only]
+    for name, schema in schemas.items():
+        if name == ours:
+            continue
+        other = [a for a in schema.arguments if not a.kwarg_only]
+        if any(str(a.type) in ("Scalar", "number", "float", "int", "complex")
+               and "Tensor" in str(b.type) for a, b in zip(mine, other)):
+            return True
+    return False
+
+
+def fast_binding(overload: Any) -> Callable | None:
+    """torch's Python binding of ATen ``overload`` when every call of it that passes all of the
+    schema's arguments (``explicit``) reaches ``overload`` through it, else None. The binding
+    is the generated one of ``torch._C._nn`` or ``torch._C._VariableFunctions``, or a tensor
+    method: each takes the schema's arguments in the schema's order (its defaults may differ
+    from the schema's: ``cross_entropy_loss``'s reduction; so none is left to it)."""
+    if getattr(overload, "namespace", None) != "aten":
+        return None
+    packet = overload.overloadpacket
+    name = packet.__name__
+    found = [getattr(mod, name) for mod in (torch._C._nn, torch._C._VariableFunctions)
+             if hasattr(mod, name)]
+    if len(found) != 1 or not callable(found[0]):
+        return None
+    schemas = _tensor_overloads(packet)
+    ours = overload._overloadname
+    if ours not in schemas:
+        return None
+    args = schemas[ours].arguments
+    npos = sum(1 for a in args if not a.kwarg_only)
+    if _number_for_a_tensor(schemas, ours):
+        return None
+    keywords = frozenset(a.name for a in args if a.kwarg_only)
+    return found[0] if _reaches(ours, schemas, npos, keywords) else None
+
+
+def explicit(schema: Any, args: tuple, kwargs: tuple[tuple[str, Any], ...]
+             ) -> tuple[tuple, tuple[tuple[str, Any], ...]] | None:
+    """A call's argument templates with every argument the call leaves out filled in with the
+    schema's default; None when a left-out argument has none."""
+    pos = [a for a in schema.arguments if not a.kwarg_only]
+    if len(args) > len(pos):
+        return None
+    full = list(args)
+    for a in pos[len(args):]:
+        if not a.has_default_value():
+            return None
+        full.append(a.default_value)
+    given = dict(kwargs)
+    named = []
+    for a in schema.arguments:
+        if not a.kwarg_only:
+            continue
+        if a.name in given:
+            named.append((a.name, given.pop(a.name)))
+        elif a.has_default_value():
+            named.append((a.name, a.default_value))
+        else:
+            return None
+    if given:  # a keyword the schema does not have
+        return None
+    return tuple(full), tuple(named)
+
+
+def _checked(binding: Callable, overload: Any) -> Callable:
+    """``binding`` that also runs ``overload`` and raises where their results differ."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng():  # the overload draws the same random numbers (dropout)
+            got = binding(*args, **kwargs)
+        with torch.no_grad():
+            want = overload(*args, **kwargs)
+        pairs = zip(got, want) if isinstance(got, (list, tuple)) else [(got, want)]
+        for g, w in pairs:
+            if isinstance(w, torch.Tensor):
+                if not (isinstance(g, torch.Tensor) and g.dtype == w.dtype and g.shape == w.shape
+                        and g.stride() == w.stride() and torch.equal(g, w)):
+                    raise AssertionError(f"{binding} differs from {overload}")
+            elif g != w:
+                raise AssertionError(f"{binding} differs from {overload}: {g!r} != {w!r}")
+        return got
+    return call
 
 
 def _has_slot(value: Any) -> bool:
@@ -57,13 +215,19 @@ def _call(runner: Any, ins: Any) -> Handler:
     lc = ins.call
     if runner.retype is not None:
         return runner.on_call
-    fn = resolve_target(lc.target)
-    if DIRECT:
+    overload = fn = resolve_target(lc.target)
+    args, kwargs = lc.args, lc.kwargs
+    binding = fast_binding(overload) if BINDINGS else None
+    full = explicit(overload._schema, args, kwargs) if binding is not None else None
+    if full is not None:
+        fn = _checked(binding, overload) if CHECK_BINDINGS else binding
+        args, kwargs = full
+    elif DIRECT:
         # what ``OpOverload.__call__`` calls: the same operator, one Python frame less per call
         fn = getattr(fn, "_op", fn)
-    bind = _binder(lc.args, ins.ins)
-    kw_names = tuple(k for k, _ in lc.kwargs)
-    kw_bind = _binder(tuple(v for _, v in lc.kwargs), ins.ins) if lc.kwargs else None
+    bind = _binder(args, ins.ins)
+    kw_names = tuple(k for k, _ in kwargs)
+    kw_bind = _binder(tuple(v for _, v in kwargs), ins.ins) if kwargs else None
     outs, listy, scale, loss = ins.outs, ins.listy, lc.scale, ins.loss
     env_of = lambda: runner.env  # noqa: E731 - a recomputed region swaps the table
 
@@ -74,8 +238,9 @@ def _call(runner: Any, ins: Any) -> Handler:
                 out = fn(*bind(env))
             else:
                 out = fn(*bind(env), **dict(zip(kw_names, kw_bind(env))))
-        except RuntimeError:  # the handler retries as it does (view as reshape) or names the op
-            return runner.on_call(ins)
+        except (RuntimeError, TypeError):  # the handler retries as it does (view as reshape)
+            return runner.on_call(ins)      # or names the op; a binding's refusal of the
+                                            # arguments (TypeError) is raised before it runs
         got = tuple(out) if listy else (out,)
         if scale != 1.0:
             got = tuple(o * scale for o in got)
