@@ -13,6 +13,7 @@ always what the handler would run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +34,8 @@ DIRECT = True
 # about a microsecond a call cheaper than an overload's schema matching
 BINDINGS = True
 # True runs the overload as well after each call through a binding and raises where the two
-# differ in value, dtype, shape or strides (tests)
-CHECK_BINDINGS = False
+# differ in value, dtype, shape or strides (tests; SSDSL_CHECK_BINDINGS=1 turns it on in ranks)
+CHECK_BINDINGS = os.environ.get("SSDSL_CHECK_BINDINGS") == "1"
 
 _NO_BINDING = object()
 
