@@ -174,23 +174,47 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _checked(binding: Callable, overload: Any) -> Callable:
-    """``binding`` that also runs ``overload`` and raises where their results differ (an
-    ``empty*`` operator's values are whatever the memory held: only their layout is compared)."""
+    """``binding`` that also runs ``overload`` and raises where they differ: in their results,
+    or in what they write into their arguments (batch norm's running statistics). The overload
+    runs first, on copies, so that nothing is written twice; an ``empty*`` operator's values
+    are whatever the memory held: only their layout is compared."""
     values = not overload.overloadpacket.__name__.lstrip("_").startswith(("empty", "new_empty"))
 
+    def copy(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):  # its storage copied, so the layout is the same
+            fresh = torch.empty(0, dtype=x.dtype, device=x.device)
+            with torch.no_grad():
+                return fresh.set_(x.untyped_storage().clone(), x.storage_offset(), x.size(),
+                                  x.stride())
+        if isinstance(x, (list, tuple)):
+            return type(x)(copy(v) for v in x)
+        return x
+
+    def flat(x: Any) -> list:
+        if isinstance(x, (list, tuple)):
+            return [t for v in x for t in flat(v)]
+        return [x]
+
+    def check(g: Any, w: Any, what: str) -> None:
+        if isinstance(w, torch.Tensor):
+            if not (isinstance(g, torch.Tensor) and g.dtype == w.dtype and g.shape == w.shape
+                    and g.stride() == w.stride() and (not values or _same(g.detach(), w))):
+                raise AssertionError(f"{binding} differs from {overload} in {what}")
+        elif g != w:
+            raise AssertionError(f"{binding} differs from {overload} in {what}: {g!r} != {w!r}")
+
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch.random.fork_rng():  # the overload draws the same random numbers (dropout)
-            got = binding(*args, **kwargs)
-        with torch.no_grad():
-            want = overload(*args, **kwargs)
-        pairs = zip(got, want) if isinstance(got, (list, tuple)) else [(got, want)]
-        for g, w in pairs:
-            if isinstance(w, torch.Tensor):
-                if not (isinstance(g, torch.Tensor) and g.dtype == w.dtype and g.shape == w.shape
-                        and g.stride() == w.stride() and (not values or _same(g, w))):
-                    raise AssertionError(f"{binding} differs from {overload}")
-            elif g != w:
-                raise AssertionError(f"{binding} differs from {overload}: {g!r} != {w!r}")
+        theirs = copy(args), {k: copy(v) for k, v in kwargs.items()}
+        with torch.random.fork_rng(), torch.no_grad():  # the same random numbers (dropout)
+            want = overload(*theirs[0], **theirs[1])
+        got = binding(*args, **kwargs)
+        for i, (g, w) in enumerate(zip(flat(got), flat(want))):
+            check(g, w, f"output {i}")
+        for i, (g, w) in enumerate(zip(flat((args, kwargs.values())),
+                                       flat((theirs[0], theirs[1].values())))):
+            if isinstance(g, torch.Tensor) and values and not _same(g.detach(), w):
+                raise AssertionError(f"{binding} differs from {overload} in what it leaves "
+                                     f"in argument {i}")
         return got
     return call
 
