@@ -530,21 +530,19 @@ class Runner(Handler):
 
     def on_reduce(self, ins) -> Iterator[Wait]:
         grads = [self._grad_of(e) for e in ins.entries]
-        flat = [g.reshape(-1) for g in grads]
         if ins.zero >= 2:
-            yield from self._reduce_scatter(ins, torch.cat(flat))
+            yield from self._reduce_scatter(ins, _flatten(grads))
             return
+        flat = list(grads)
         if ins.loss:
             dtype = flat[0].dtype if flat else torch.float64
             flat.append(torch.tensor([self._my_loss()], dtype=dtype))
         w = Wait(self.rank, Coll("all_reduce", ins.group), ins, ("reduce", ins.bucket),
-                 payload=torch.cat(flat))
+                 payload=_flatten(flat))
         yield from self.meet(w)
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(w.result[offset:offset + n].view_as(g))
-            offset += n
+        if grads:
+            torch._foreach_copy_(grads, _unflatten(w.result, grads))
+        offset = sum(g.numel() for g in grads)
         if ins.loss:
             self.loss_total = float(w.result[offset].item())
         if ins.zero:  # stage 1: every member keeps the whole gradient, steps only its chunk
@@ -678,11 +676,11 @@ class DistRunner(Runner):
 
     def _start_part(self, k: int) -> None:
         bucket, _ = self.parts.order[k]
-        flat = [(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).reshape(-1)
+        flat = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 for leaf in self.parts.leaves[k]]
         if k == self.parts.carrier:
             flat.append(torch.tensor([self._my_loss()], dtype=flat[0].dtype))
-        buf = torch.cat(flat)
+        buf = _flatten(flat)
         group = self._bucket_groups[bucket]
         work = dist.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
                                async_op=True)
@@ -695,15 +693,13 @@ class DistRunner(Runner):
             return (yield from super().on_reduce(ins))
         for k, work, buf in parts:
             work.wait()
-            offset = 0
+            leaves = self.parts.leaves[k]
             # the reduced gradients are views of the part's buffer, which this rank alone
             # holds until the next step's ``zero_grad`` drops them: no copy back
-            for leaf in self.parts.leaves[k]:
-                n = leaf.numel()
-                leaf.grad = buf[offset:offset + n].view_as(leaf)
-                offset += n
-            if offset < buf.numel():  # the loss rode in this part
-                self.loss_total = float(buf[offset].item())
+            for leaf, grad in zip(leaves, _unflatten(buf, leaves)):
+                leaf.grad = grad
+            if k == self.parts.carrier:  # the loss rode at the end of this part
+                self.loss_total = float(buf[-1].item())
 
     # -- the loss summed while the step runs ---------------------------------------------------------
     def _start_loss(self) -> None:
@@ -817,6 +813,17 @@ class DistRunner(Runner):
             shard.set_grad(out)
         self.pending = []
         super().on_step(ins)
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' elements one after the other in a new 1-d tensor (one C++ call)."""
+    return torch._C._nn.flatten_dense_tensors(tensors) if tensors else torch.empty(0)
+
+
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat``, one per tensor of ``like`` and shaped like it, one after the other
+    (what follows them in ``flat`` is left out)."""
+    return list(torch._C._nn.unflatten_dense_tensors(flat, like)) if like else []
 
 
 def input_rows(program: Program) -> tuple[int, int] | None:
