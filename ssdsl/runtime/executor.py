@@ -312,10 +312,11 @@ class Runner(Handler):
         self.env[ins.out] = src.detach().requires_grad_(src.requires_grad)
 
     def on_free(self, ins) -> None:
-        for v in ins.values:
-            self.env.pop(v, None)
-            self.grads.pop(v, None)
-            self.kept.pop(v, None)
+        for table in (self.env, self.grads, self.kept):
+            if table:
+                pop = table.pop
+                for v in ins.values:
+                    pop(v, None)
 
     # -- local communication ----------------------------------------------------------------------
     def local_steps(self, steps, held: list[torch.Tensor], like: torch.Tensor
