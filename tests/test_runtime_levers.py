@@ -76,7 +76,8 @@ def assert_matches(got: tuple, want: tuple[list[float], dict]) -> None:
     ("1f1b", 2, {"microbatches": "4"}, "loss_early"),
     ("gpipe", 4, {"microbatches": "4"}, "loss_early"),
     ("interleaved_1f1b", 2, {"microbatches": "4"}, "loss_early"),
-    ("1f1b", 4, {"microbatches": "4"}, "sends_threaded"),
+    # 4 ranks fill 2 cores: the sender thread is forced (``ALWAYS``) so that it is tested
+    ("1f1b", 4, {"microbatches": "4", "always_send_thread": True}, "sends_threaded"),
     ("zb_h1", 2, {"microbatches": "4"}, "sends_threaded"),
     ("dp_tp_1f1b", 8, {"dp": "2", "tp": "2", "microbatches": "4"}, "posted_early"),
     ("dp_zero", 2, {}, None),  # sharded buckets reduce after the backward, as before
@@ -85,6 +86,9 @@ def test_levers_on_match_the_single_device_model(plan, nproc, sets, acts):
     # parts of 2 KiB: the tiny GPT's bucket becomes dozens of all-reduces started in backward
     levers = {"ssdsl.lower.overlap:PART_BYTES": 2048,
               "ssdsl.lower.overlap:REST_PART_BYTES": 2048, "ssdsl.runtime.early:LOOKAHEAD": 2}
+    sets = dict(sets)
+    if sets.pop("always_send_thread", False):
+        levers["ssdsl.runtime.sender:ALWAYS"] = True
     per_rank = launch(lever_worker, nproc=nproc, args=(plan, sets, levers), timeout_s=600)
     want = reference()
     for got in per_rank:
@@ -187,3 +191,19 @@ def test_overlap_parts_start_in_order_once_their_gradients_are_final():
     assert started == [0, 1]
     parts.finish()  # w0 was never reached: its part starts at the end
     assert started == [0, 1, 2]
+
+
+def test_the_sender_thread_is_used_where_the_host_has_a_core_for_it(monkeypatch):
+    from ssdsl.runtime import sender
+    monkeypatch.setattr(sender.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(sender.torch, "get_num_threads", lambda: 1)
+    for local, want in (("1", True), ("2", True), ("4", False)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        assert sender.wanted() is want, local
+    monkeypatch.setattr(sender.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert sender.wanted() is False  # 2 ranks of 2 threads fill 2 cores
+    monkeypatch.setattr(sender, "ALWAYS", True)
+    assert sender.wanted() is True
+    monkeypatch.setattr(sender, "ENABLED", False)
+    assert sender.wanted() is False

@@ -648,7 +648,7 @@ class DistRunner(Runner):
         self.started = {}
         # this step's sends go through the process's sender thread (``ssdsl.runtime.sender``),
         # started by the first send
-        self._threaded = sending.ENABLED
+        self._threaded = sending.wanted()
         self._sender = None
 
     # -- buckets reduced during the last backward --------------------------------------------------
