@@ -13,6 +13,7 @@ always what the handler would run.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,6 @@ BINDINGS = True
 # differ in value, dtype, shape or strides (tests; SSDSL_CHECK_BINDINGS=1 turns it on in ranks)
 CHECK_BINDINGS = os.environ.get("SSDSL_CHECK_BINDINGS") == "1"
 
-_NO_BINDING = object()
 
 
 def _tensor_overloads(packet: Any) -> dict[str, Any]:
@@ -113,12 +113,14 @@ def _number_for_a_tensor(schemas: dict[str, Any], ours: str) -> bool:
     return False
 
 
+@functools.cache
 def fast_binding(overload: Any) -> Callable | None:
     """torch's Python binding of ATen ``overload`` when every call of it that passes all of the
-    schema's arguments (``explicit``) reaches ``overload`` through it, else None. The binding
-    is the generated one of ``torch._C._nn`` or ``torch._C._VariableFunctions``, or a tensor
-    method: each takes the schema's arguments in the schema's order (its defaults may differ
-    from the schema's: ``cross_entropy_loss``'s reduction; so none is left to it)."""
+    schema's arguments (``explicit``) reaches ``overload`` through it, else None (worked out once
+    per overload). The binding is the generated function of ``torch._C._nn`` or
+    ``torch._C._VariableFunctions``, which takes the schema's arguments in the schema's order
+    (tensor methods need not: ``Tensor.to``); its defaults may differ from the schema's
+    (``cross_entropy_loss``'s reduction), so none is left to it."""
     if getattr(overload, "namespace", None) != "aten":
         return None
     packet = overload.overloadpacket
@@ -131,10 +133,10 @@ def fast_binding(overload: Any) -> Callable | None:
     ours = overload._overloadname
     if ours not in schemas:
         return None
-    args = schemas[ours].arguments
-    npos = sum(1 for a in args if not a.kwarg_only)
     if _number_for_a_tensor(schemas, ours):
         return None
+    args = schemas[ours].arguments
+    npos = sum(1 for a in args if not a.kwarg_only)
     keywords = frozenset(a.name for a in args if a.kwarg_only)
     return found[0] if _reaches(ours, schemas, npos, keywords) else None
 
@@ -210,8 +212,8 @@ def _checked(binding: Callable, overload: Any) -> Callable:
         got = binding(*args, **kwargs)
         for i, (g, w) in enumerate(zip(flat(got), flat(want))):
             check(g, w, f"output {i}")
-        for i, (g, w) in enumerate(zip(flat((args, kwargs.values())),
-                                       flat((theirs[0], theirs[1].values())))):
+        for i, (g, w) in enumerate(zip(flat((args, tuple(kwargs.values()))),
+                                       flat((theirs[0], tuple(theirs[1].values()))))):
             if isinstance(g, torch.Tensor) and values and not _same(g.detach(), w):
                 raise AssertionError(f"{binding} differs from {overload} in what it leaves "
                                      f"in argument {i}")
