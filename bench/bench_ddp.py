@@ -92,9 +92,8 @@ def _measure(worker: str) -> Measurement:
 def ssdsl_worker(model_path: str, batch_size: int, steps: int, seed: int) -> list[float]:
     """One rank of an ssdsl ``dp`` run, through the same pieces as ``ssdsl run``.
 
-    The timed step includes ``get_batch`` of the global batch (the executor slices each rank's
-    rows itself), which the DDP loop does before its clock starts; for the bundled models that
-    costs microseconds.
+    The global batch is fetched before the clock starts, as the DDP loop fetches it; the
+    timed step includes what the executor does with it (each rank narrows it to its rows).
     """
     from ssdsl.runtime.dist import distributed
     from ssdsl.runtime.executor import RankProgram, create_groups
@@ -108,9 +107,10 @@ def ssdsl_worker(model_path: str, batch_size: int, steps: int, seed: int) -> lis
                            optimizer=OptimizerSpec("model"), groups=create_groups(m))
         metrics = MetricsCollector(rank=ctx.rank, samples_per_step=batch_size, device=ctx.device)
         for step in range(steps):
+            inputs, target = mf.get_batch(step, batch_size)
             torch.distributed.barrier()
             metrics.begin()
-            prog.step(step, batch_size)
+            prog.train_batch((*inputs, target))
             metrics.end(step, loss=None)
         return [m.step_s for m in metrics.history]
 

@@ -7,7 +7,8 @@
 shared machine moves between the variants' launches (it moved the figures by 2x here). This
 script instead builds every variant on the same ranks, in one launch: ssdsl with every lever on,
 ssdsl with one lever off (each lever of ``bench_peers.LEVERS`` that acts on ``--plan``), and
-``DistributedDataParallel``; then it runs one step of each in turn, ``--steps`` times, so that
+``DistributedDataParallel``; then it runs one step of each in turn (which goes first turns
+with the steps), ``--steps`` times, so that
 neighbouring steps of two variants see the same load. A step's time is the slowest rank's; each
 variant's figure is the median of its steps (after 2 warm-up rounds). Default model: the peers'
 nanoGPT-style decoder (``bench_peers.MODEL``). Prints JSON: each variant's median step and its
@@ -101,7 +102,10 @@ def worker(model_path: str, plan: str, steps: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in variants}
     for step in range(steps + WARMUP):
         inputs, target = mf.get_batch(step, mf.batch_size)
-        for name, one in variants.items():
+        names = list(variants)
+        shift = step % len(names)  # which variant goes first turns with the steps
+        for name in names[shift:] + names[:shift]:
+            one = variants[name]
             dist.barrier()
             start = time.perf_counter()
             one(inputs, target)

@@ -225,6 +225,7 @@ LEVERS = {
     "direct_op": ("ssdsl.runtime.prebuilt", "DIRECT", False),
     "bindings": ("ssdsl.runtime.prebuilt", "BINDINGS", False),
     "run_loop": ("ssdsl.runtime.executor", "RUN_LOOP", False),
+    "straight": ("ssdsl.runtime.straight", "ENABLED", False),
     "overlap": ("ssdsl.lower.overlap", "PART_BYTES", 0),
     # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB
     "rest_parts": ("ssdsl.lower.overlap", "REST_PART_BYTES", None),

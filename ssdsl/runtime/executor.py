@@ -42,6 +42,7 @@ from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.overlap import OverlapPlan, Parts, overlap_plan
 from ssdsl.runtime.prebuilt import prebuild
 from ssdsl.runtime import sender as sending
+from ssdsl.runtime import straight as straight_code
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
 from ssdsl.runtime.zero import ZeroShard, model_state_bytes, optimizer_params, zero_shards
@@ -186,6 +187,7 @@ class Runner(Handler):
         self._frozen = False  # inside a forward-only unit
         self._prebuilt: dict[int, tuple[Any, Any]] = {}  # id(instruction) -> (it, handler)
         self._sequences: dict[int, tuple[Program, list]] = {}  # id(program) -> (it, steps)
+        self._generated: dict[int, tuple[Program, Any]] = {}  # id(program) -> (it, its code)
         # the state and its leaves that ``on_step`` makes sure have a gradient
         self._stepped: tuple[RankState, list[torch.Tensor]] | None = None
 
@@ -233,6 +235,9 @@ class Runner(Handler):
             for _ in walk(program, self):
                 raise RuntimeError("a distributed runner never waits")
             return
+        if straight_code.ENABLED:
+            self._straight(program)()
+            return
         steps = self._sequence(program)
         for ins, handler in steps:
             if self._region is None and not self._frozen:
@@ -242,6 +247,16 @@ class Runner(Handler):
             if waits is not None:
                 for _ in waits:
                     raise RuntimeError("a distributed runner never waits")
+
+    def _straight(self, program: Program) -> Any:
+        """``program`` as generated straight-line code (``ssdsl.runtime.straight``), built once
+        per program."""
+        got = self._generated.get(id(program))
+        if got is not None and got[0] is program:
+            return got[1]
+        run = straight_code.straight(self, program)
+        self._generated[id(program)] = (program, run)
+        return run
 
     def _sequence(self, program: Program) -> list[tuple[Any, Any]]:
         """``program``'s instructions, each beside its handler (built once per program)."""

@@ -247,10 +247,13 @@ def _binder(template: tuple, names: tuple[str | None, ...]
     return bind
 
 
-def _call(runner: Any, ins: Any) -> Handler:
-    lc = ins.call
+def call_parts(runner: Any, ins: Any) -> tuple[Callable, tuple, tuple] | None:
+    """What a prebuilt call instruction calls: ``(fn, args, kwargs)``, the argument templates
+    holding ``Slot``s where the instruction's inputs go (``kwargs`` as ``(name, value)``
+    pairs); None where the ordinary handler runs it (a retyped run: verification)."""
     if runner.retype is not None:
-        return runner.on_call
+        return None
+    lc = ins.call
     overload = fn = resolve_target(lc.target)
     args, kwargs = lc.args, lc.kwargs
     binding = fast_binding(overload) if BINDINGS else None
@@ -261,6 +264,15 @@ def _call(runner: Any, ins: Any) -> Handler:
     elif DIRECT:
         # what ``OpOverload.__call__`` calls: the same operator, one Python frame less per call
         fn = getattr(fn, "_op", fn)
+    return fn, tuple(args), tuple(kwargs)
+
+
+def _call(runner: Any, ins: Any) -> Handler:
+    parts = call_parts(runner, ins)
+    if parts is None:
+        return runner.on_call
+    fn, args, kwargs = parts
+    lc = ins.call
     bind = _binder(args, ins.ins)
     kw_names = tuple(k for k, _ in kwargs)
     kw_bind = _binder(tuple(v for _, v in kwargs), ins.ins) if kwargs else None
