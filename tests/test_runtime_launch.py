@@ -23,7 +23,7 @@ from ssdsl.errors import SsdslError
 from ssdsl.runtime.dist import (DistEnvError, RankEnv, all_gather_objects, default_timeout_s,
                                 distributed)
 from ssdsl.runtime.launch import (JobTimeout, LaunchError, RankFailed, RankHung, WorkerNotFound,
-                                  launch,
+                                  launch, rank_cpus,
                                   report_event, set_local_event_handler, under_torchrun)
 
 pytestmark = pytest.mark.slow
@@ -439,3 +439,33 @@ def test_the_heartbeat_never_disturbs_a_trace_in_the_rank(tmp_path):
             trace(mf, device="cpu")
     finally:  # the thread stops at its first write after the folder is gone
         shutil.rmtree(beats, ignore_errors=True)
+
+
+# -- ranks pinned to cores of their own ----------------------------------------------------------
+
+
+def affinity_worker() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def test_rank_cpus_gives_each_rank_its_own_run_of_cores_or_none():
+    cpus = [0, 2, 4, 6]  # a launcher allowed every other CPU
+    assert [rank_cpus(r, 2, 2, cpus) for r in range(2)] == [(0, 2), (4, 6)]
+    assert [rank_cpus(r, 4, 1, cpus) for r in range(4)] == [(0,), (2,), (4,), (6,)]
+    assert rank_cpus(0, 3, 2, cpus) is None  # 6 threads on 4 CPUs: left to the scheduler
+    assert rank_cpus(0, 8, 1, cpus) is None
+    assert rank_cpus(0, 1, 0, cpus) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs 2 usable CPUs")
+def test_launched_ranks_are_pinned_where_they_fit_and_not_otherwise():
+    usable = sorted(os.sched_getaffinity(0))
+    got = launch(affinity_worker, nproc=2, env={"OMP_NUM_THREADS": "1"}, timeout_s=120)
+    assert got == [(usable[0],), (usable[1],)]
+    unpinned = launch(affinity_worker, nproc=2, env={"OMP_NUM_THREADS": "1", "SSDSL_PIN": "0"},
+                      timeout_s=120)
+    assert unpinned == [tuple(usable)] * 2
+    crowded = len(usable) + 1  # more ranks than CPUs: none is pinned
+    assert launch(affinity_worker, nproc=crowded, env={"OMP_NUM_THREADS": "1"},
+                  timeout_s=240) == [tuple(usable)] * crowded
