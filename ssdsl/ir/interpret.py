@@ -51,6 +51,32 @@ def with_step_values(graph: Graph, batch: Sequence[Any]) -> tuple[Any, ...]:
     return batch + tuple(env[t] for t in graph.step_values)
 
 
+def step_values_fn(graph: Graph) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``with_step_values(graph, ·)`` with the prologue's operators resolved and its names
+    read once (an executor computes the step values every step)."""
+    if not graph.prologue:
+        return tuple
+    names, n_inputs, wanted = graph.batch_inputs, len(graph.inputs), graph.step_values
+    constants = dict(graph.constants)
+    ops = [(resolve_target(op.target), op.args, op.kwargs, op.outputs, op.returns == "list")
+           for op in graph.prologue]
+
+    def values(batch: Sequence[Any]) -> tuple[Any, ...]:
+        batch = tuple(batch)
+        if len(batch) == n_inputs:
+            return batch
+        env: dict[str, Any] = dict(zip(names, batch, strict=True))
+        env.update(constants)
+        lookup = lambda ref: env[ref.name]  # noqa: E731
+        with torch.no_grad():  # data only: no parameter reaches the prologue
+            for fn, args, kwargs, outs, listy in ops:
+                out = fn(*map_tensor_refs(args, lookup),
+                         **{k: map_tensor_refs(v, lookup) for k, v in kwargs})
+                env.update(zip(outs, tuple(out) if listy else (out,), strict=True))
+        return batch + tuple(env[t] for t in wanted)
+    return values
+
+
 def run_graph(graph: Graph, params: Mapping[str, torch.Tensor],
               inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """The loss of ``graph`` on ``inputs`` (batch tensors then target) with ``params``.
@@ -75,4 +101,4 @@ def _lookup_param(graph: Graph, params: Mapping[str, torch.Tensor], qual: str) -
     raise KeyError(f"no value for parameter or buffer '{qual}'")
 
 
-__all__ = ["run_graph", "run_op", "with_step_values", "call_target", "resolve_target", "TensorRef"]
+__all__ = ["run_graph", "run_op", "step_values_fn", "with_step_values", "call_target", "resolve_target", "TensorRef"]

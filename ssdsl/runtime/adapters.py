@@ -218,21 +218,35 @@ def reduce_gradients(reducer, rank: int, grads: dict, *, groups: ProcessGroups |
     ``simulate`` (device -> such a dict, every device at once) no process group is used."""
     buckets = [(i, b) for i, b in enumerate(reducer.buckets)]
     if simulate is None:
-        runner = DistRunner(rank, _grad_state(grads), dtype=torch.float64, groups=groups)
+        state = _grad_state(grads)
+        runner = DistRunner(rank, state, dtype=torch.float64, groups=groups)
         for i, b in buckets:
             if rank in b.devices:
                 _drain(runner.on_reduce(ReduceBucket(i, tuple(b.devices), tuple(b.entries))))
+        _back_into(state, grads)
         return
     exchange = Exchange(combine)
-    walks = {}
+    walks, states = {}, {}
     for d, mine in simulate.items():
-        runner = SimRunner(d, _grad_state(mine), dtype=torch.float64, exchange=exchange)
+        states[d] = _grad_state(mine)
+        runner = SimRunner(d, states[d], dtype=torch.float64, exchange=exchange)
         walks[d] = _reduce_all(runner, [(i, b) for i, b in buckets if d in b.devices])
     run_all(walks, exchange)
+    for d, mine in simulate.items():
+        _back_into(states[d], mine)
+
+
+def _back_into(state: RankState, grads: dict) -> None:
+    """The reduced gradients into the caller's tensors: the reduce handler may leave a leaf's
+    ``.grad`` a view of the reduced buffer instead of writing into the tensor it had."""
+    for key, g in grads.items():
+        reduced = state.leaves[key].grad
+        if reduced is not g:
+            g.copy_(reduced)
 
 
 def _grad_state(grads: dict) -> RankState:
-    """Leaves whose ``.grad`` are the given tensors (the reduce handler sums into ``.grad``)."""
+    """Leaves whose ``.grad`` are the given tensors (the reduce handler sums them)."""
     leaves = {}
     for key, g in grads.items():
         leaf = torch.zeros_like(g)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from ssdsl.ir.interpret import call_target, with_step_values
+from ssdsl.ir.interpret import call_target, step_values_fn
 from ssdsl.ir.region import Region
 from ssdsl.lower import Handler, Program, Wait, lower_rank, walk
 from ssdsl.lower.instr import Coll, P2P
@@ -188,6 +188,7 @@ class Runner(Handler):
         self._prebuilt: dict[int, tuple[Any, Any]] = {}  # id(instruction) -> (it, handler)
         self._sequences: dict[int, tuple[Program, list]] = {}  # id(program) -> (it, steps)
         self._generated: dict[int, tuple[Program, Any]] = {}  # id(program) -> (it, its code)
+        self._leaves_of: dict[int, tuple[Any, RankState, list]] = {}  # id(bucket) -> leaves
         # the state and its leaves that ``on_step`` makes sure have a gradient
         self._stepped: tuple[RankState, list[torch.Tensor]] | None = None
 
@@ -544,8 +545,18 @@ class Runner(Handler):
             leaf.grad = torch.zeros_like(leaf)
         return leaf.grad
 
+    def _bucket_leaves(self, ins) -> list[torch.Tensor]:
+        """The weight leaves of bucket instruction ``ins`` (looked up once per state)."""
+        got = self._leaves_of.get(id(ins))
+        if got is None or got[0] is not ins or got[1] is not self.state:
+            got = self._leaves_of[id(ins)] = (ins, self.state,
+                                              [self.state.leaves[e] for e in ins.entries])
+        return got[2]
+
     def on_reduce(self, ins) -> Iterator[Wait]:
-        grads = [self._grad_of(e) for e in ins.entries]
+        leaves = self._bucket_leaves(ins)
+        grads = [leaf.grad if leaf.grad is not None else self._grad_of(e)
+                 for leaf, e in zip(leaves, ins.entries)]
         if ins.zero >= 2:
             yield from self._reduce_scatter(ins, _flatten(grads))
             return
@@ -556,8 +567,13 @@ class Runner(Handler):
         w = Wait(self.rank, Coll("all_reduce", ins.group), ins, ("reduce", ins.bucket),
                  payload=_flatten(flat))
         yield from self.meet(w)
-        if grads:
+        if grads and ins.zero:
             torch._foreach_copy_(grads, _unflatten(w.result, grads))
+        elif grads:
+            # the reduced gradients are views of the reduced buffer, which this rank alone
+            # holds until the next step's ``zero_grad`` drops them: no copy back
+            for leaf, grad in zip(leaves, _unflatten(w.result, grads)):
+                leaf.grad = grad
         offset = sum(g.numel() for g in grads)
         if ins.loss:
             self.loss_total = float(w.result[offset].item())
@@ -883,6 +899,7 @@ class RankProgram:
         self._early: tuple | None = None  # early_receives(program), on the first whole step
         self._loss_plan: LossPlan | None = None
         self._overlap: OverlapPlan | None = None
+        self._step_values: tuple | None = None  # (graph, its step_values_fn), on first use
 
     def _overlap_plan(self) -> OverlapPlan | None:
         """The buckets this rank reduces during its last backward (``ssdsl.runtime.overlap``),
@@ -929,7 +946,10 @@ class RankProgram:
         """Start a step on the whole batch (every micro-batch's slice is taken from it), with
         the step values the graph's prologue computes from it (a loss's count of labelled
         tokens, ``ssdsl.transform.normalize``)."""
-        self.runner.start(with_step_values(self.graph, to_dtype(tuple(batch), self.dtype)))
+        values = getattr(self, "_step_values", None)
+        if values is None or values[0] is not self.graph:
+            values = self._step_values = (self.graph, step_values_fn(self.graph))
+        self.runner.start(values[1](to_dtype(tuple(batch), self.dtype)))
 
     def run_unit(self, unit: str) -> None:
         """Run the instructions of one unit (``'0F1'``) of this rank's program."""

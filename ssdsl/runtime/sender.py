@@ -33,16 +33,20 @@ def wanted() -> bool:
     their compute threads leave it a core. Where they fill the cores already (4 ranks of one
     thread on 2 cores), one more runnable thread a process only adds switches: measured on the
     peers' 1f1b at 4 ranks on 2 cores, fresh launches, 3 rounds, the thread made the step
-    1.055 times as long; at 2 ranks of one thread on 2 cores it shortens it."""
+    1.055 times as long; at 2 ranks of one thread on 2 cores it shortens it. A rank the
+    launcher pinned (``ssdsl.runtime.launch.rank_cpus``) uses it where its own cores outnumber
+    its compute threads."""
     if not ENABLED:
         return False
     if ALWAYS:
         return True
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if os.environ.get("SSDSL_RANK_CPUS"):  # pinned by the launcher: these cores are its own
+        return torch.get_num_threads() < (cores or 1)
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         local = 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return local * torch.get_num_threads() <= (cores or 1)
 
 
