@@ -76,10 +76,9 @@ def assert_matches(got: tuple, want: tuple[list[float], dict]) -> None:
     ("1f1b", 2, {"microbatches": "4"}, "loss_early"),
     ("gpipe", 4, {"microbatches": "4"}, "loss_early"),
     ("interleaved_1f1b", 2, {"microbatches": "4"}, "loss_early"),
-    # 4 ranks fill 2 cores, and 2 ranks pinned to a core each leave none spare: the sender
-    # thread is forced (``ALWAYS``) so that it is tested
+    # 4 ranks fill 2 cores: the sender thread is forced (``ALWAYS``) so that it is tested
     ("1f1b", 4, {"microbatches": "4", "always_send_thread": True}, "sends_threaded"),
-    ("zb_h1", 2, {"microbatches": "4", "always_send_thread": True}, "sends_threaded"),
+    ("zb_h1", 2, {"microbatches": "4"}, "sends_threaded"),
     ("dp_tp_1f1b", 8, {"dp": "2", "tp": "2", "microbatches": "4"}, "posted_early"),
     ("dp_zero", 2, {}, None),  # sharded buckets reduce after the backward, as before
 ])
@@ -204,15 +203,17 @@ def test_the_sender_thread_is_used_where_the_host_has_a_core_for_it(monkeypatch)
     monkeypatch.setattr(sender.torch, "get_num_threads", lambda: 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert sender.wanted() is False  # 2 ranks of 2 threads fill 2 cores
-    # pinned by the launcher: only its own cores count
-    monkeypatch.setenv("SSDSL_RANK_CPUS", "0,1")
-    assert sender.wanted() is False  # 2 threads on its 2 cores
-    monkeypatch.setattr(sender.torch, "get_num_threads", lambda: 1)
-    assert sender.wanted() is True  # 1 thread, 2 cores of its own
+    # pinned by the launcher to one core of 2: the host's cores count (the thread runs on any)
     monkeypatch.setattr(sender.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     monkeypatch.setattr(sender.torch, "get_num_threads", lambda: 1)
-    assert sender.wanted() is False  # its one core computes
+    monkeypatch.setenv("SSDSL_RANK_CPUS", "0")
+    monkeypatch.setenv("SSDSL_HOST_CPUS", "0,1")
+    assert sender.wanted() is True
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert sender.wanted() is False
     monkeypatch.delenv("SSDSL_RANK_CPUS")
+    monkeypatch.delenv("SSDSL_HOST_CPUS")
+    assert sender.wanted() is False  # unpinned on one core: 4 ranks fill it
     monkeypatch.setattr(sender, "ALWAYS", True)
     assert sender.wanted() is True
     monkeypatch.setattr(sender, "ENABLED", False)

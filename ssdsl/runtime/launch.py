@@ -68,6 +68,8 @@ _SETTLE_S = 0.5
 _LAUNCH_DIR_VAR = "SSDSL_LAUNCH_DIR"
 _PIN_VAR = "SSDSL_PIN"  # 0: ranks are not pinned to cores
 _RANK_CPUS_VAR = "SSDSL_RANK_CPUS"  # the CPUs a rank pins itself to, comma-separated
+# the CPUs the launcher may use: a pinned rank's helper threads may run on any of them
+_HOST_CPUS_VAR = "SSDSL_HOST_CPUS"
 _LAUNCHER_PID_VAR = "SSDSL_LAUNCHER_PID"
 # The watchdog: a heartbeat per rank each _BEAT_S; a rank silent for STALE_S is stopped or frozen;
 # peers waiting HANG_S in communication, without a new call, for a rank that is elsewhere and has
@@ -337,9 +339,11 @@ class _Job:
         pins = _pins(env, self.nproc)
         for rank in range(self.nproc):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-            rank_env.pop(_RANK_CPUS_VAR, None)  # a launcher that is itself a rank: not its pin
+            for var in (_RANK_CPUS_VAR, _HOST_CPUS_VAR):  # a launcher that is itself a rank
+                rank_env.pop(var, None)
             if pins[rank] is not None:
                 rank_env[_RANK_CPUS_VAR] = ",".join(map(str, pins[rank]))
+                rank_env[_HOST_CPUS_VAR] = ",".join(map(str, _usable_cpus()))
             # A session of its own: Ctrl-C reaches only the launcher, which then ends the ranks.
             self.procs.append(subprocess.Popen([sys.executable, "-c", code], env=rank_env,
                                                stdin=subprocess.DEVNULL,

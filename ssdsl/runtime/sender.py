@@ -34,20 +34,32 @@ def wanted() -> bool:
     thread on 2 cores), one more runnable thread a process only adds switches: measured on the
     peers' 1f1b at 4 ranks on 2 cores, fresh launches, 3 rounds, the thread made the step
     1.055 times as long; at 2 ranks of one thread on 2 cores it shortens it. A rank the
-    launcher pinned (``ssdsl.runtime.launch.rank_cpus``) uses it where its own cores outnumber
-    its compute threads."""
+    launcher pinned to its own cores (``ssdsl.runtime.launch.rank_cpus``) counts the host's
+    cores, on any of which the thread runs (it widens its own affinity)."""
     if not ENABLED:
         return False
     if ALWAYS:
         return True
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if os.environ.get("SSDSL_RANK_CPUS"):  # pinned by the launcher: these cores are its own
-        return torch.get_num_threads() < (cores or 1)
+    host = _host_cpus()
+    if host is not None:  # a rank pinned by the launcher: the thread runs on any host core
+        cores = len(host)
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         local = 1
     return local * torch.get_num_threads() <= (cores or 1)
+
+
+def _host_cpus() -> set[int] | None:
+    """The launcher's CPUs where it pinned this rank to some of them, else None."""
+    got = os.environ.get("SSDSL_HOST_CPUS")
+    if not got or not os.environ.get("SSDSL_RANK_CPUS"):
+        return None
+    try:
+        return {int(c) for c in got.split(",")}
+    except ValueError:
+        return None
 
 
 class Sender:
@@ -63,6 +75,12 @@ class Sender:
         self._thread.start()
 
     def _run(self) -> None:
+        host = _host_cpus()
+        if host and hasattr(os, "sched_setaffinity"):  # this thread only (Linux: pid 0)
+            try:
+                os.sched_setaffinity(0, host)
+            except OSError:
+                pass
         while True:
             piece, peer, tag = self._todo.get()
             try:
