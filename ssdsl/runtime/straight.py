@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ssdsl.ops.core import Slot
-from ssdsl.runtime.prebuilt import call_parts
+from ssdsl.runtime.prebuilt import _has_slot, call_parts
 
 # False leaves ``Runner.run`` to its loop of handlers (benchmarks compare)
 ENABLED = True
@@ -58,26 +58,21 @@ class _Source:
         self.consts.append(value)
         return f"K[{len(self.consts) - 1}]"
 
-    def value(self, v: Any, names: tuple) -> str:
+    def value(self, v: Any, names: tuple) -> str | None:
         """The expression of an argument template ``v``: a slot's value, a list or tuple of
         them, or a constant."""
         if isinstance(v, Slot):
             name = names[v.index]
             return "None" if name is None else f"e[{name!r}]"
         if isinstance(v, (list, tuple)) and _has_slot(v):
-            inner = ", ".join(self.value(x, names) for x in v)
-            if isinstance(v, list):
+            parts = [self.value(x, names) for x in v]
+            if any(p is None for p in parts) or type(v) not in (list, tuple):
+                return None  # a named tuple or another sequence type: not written inline
+            inner = ", ".join(parts)
+            if type(v) is list:
                 return f"[{inner}]"
-            if type(v) is tuple:
-                return f"({inner},)" if len(v) == 1 else f"({inner})"
-            return None  # a named tuple or another sequence type: not written inline
+            return f"({inner},)" if len(v) == 1 else f"({inner})"
         return self.const(v)
-
-
-def _has_slot(value: Any) -> bool:
-    if isinstance(value, Slot):
-        return True
-    return isinstance(value, (list, tuple)) and any(_has_slot(v) for v in value)
 
 
 def _own(runner: Any, kind: str) -> bool:
