@@ -35,40 +35,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import LEVERS, LR, MODEL  # noqa: E402
 from ssdsl.runtime.launch import launch  # noqa: E402
 
-DP_LEVERS = ("overlap", "prebuilt")
+DP_LEVERS = ("overlap", "prebuilt", "prologue")
 WARMUP = 2
 
 
 def _ssdsl(model_path: str, plan: str, off: tuple[str, ...], first_batch):
-    """A ``ParallelModel`` with the levers ``off`` turned off for good (its first step runs
-    with them off, which is when the executor fixes its plans)."""
+    """A ``ParallelModel`` with the levers ``off`` turned off while it is made and around each
+    of its steps (some are read once, when the executor fixes its plans on the first step;
+    others at every step: ``PREBUILD`` at each instruction's first visit, the prologue's)."""
     import importlib
 
     import ssdsl
 
-    saved = []
-    for lever in off:
-        module, attr, value = LEVERS[lever]
-        mod = importlib.import_module(module)
-        saved.append((mod, attr, getattr(mod, attr)))
-        setattr(mod, attr, value)
-    try:
-        pm = ssdsl.parallelize(model_path, plan, optimizer="sgd", lr=LR, verify=False)
-        pm.train_step(*first_batch)
-        prebuilt = importlib.import_module("ssdsl.runtime.executor").PREBUILD
-    finally:
-        for mod, attr, value in saved:
+    levers = [(importlib.import_module(LEVERS[lv][0]), LEVERS[lv][1], LEVERS[lv][2]) for lv in off]
+
+    def with_off(fn, *args):
+        saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in levers]
+        for mod, attr, value in levers:
             setattr(mod, attr, value)
-    if not prebuilt:  # read at every instruction's first visit: keep it off around each step
-        def step(inputs, target):
-            ex = importlib.import_module("ssdsl.runtime.executor")
-            ex.PREBUILD = False
-            try:
-                return pm.train_step(inputs, target)
-            finally:
-                ex.PREBUILD = True
-        return step
-    return pm.train_step
+        try:
+            return fn(*args)
+        finally:
+            for mod, attr, value in saved:
+                setattr(mod, attr, value)
+
+    pm = with_off(lambda: ssdsl.parallelize(model_path, plan, optimizer="sgd", lr=LR,
+                                            verify=False))
+    with_off(pm.train_step, *first_batch)
+    if not levers:
+        return pm.train_step
+    return lambda inputs, target: with_off(pm.train_step, inputs, target)
 
 
 def worker(model_path: str, plan: str, steps: int) -> dict[str, list[float]]:

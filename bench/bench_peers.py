@@ -226,6 +226,7 @@ LEVERS = {
     "bindings": ("ssdsl.runtime.prebuilt", "BINDINGS", False),
     "run_loop": ("ssdsl.runtime.executor", "RUN_LOOP", False),
     "straight": ("ssdsl.runtime.straight", "ENABLED", False),
+    "prologue": ("ssdsl.runtime.prologue", "ENABLED", False),
     "overlap": ("ssdsl.lower.overlap", "PART_BYTES", 0),
     # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB
     "rest_parts": ("ssdsl.lower.overlap", "REST_PART_BYTES", None),

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from ssdsl.ir.interpret import call_target, step_values_fn
+from ssdsl.ir.interpret import call_target
 from ssdsl.ir.region import Region
 from ssdsl.lower import Handler, Program, Wait, lower_rank, walk
 from ssdsl.lower.instr import Coll, P2P
@@ -41,6 +41,7 @@ from ssdsl.runtime.groups import ProcessGroups, groups_of
 from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.overlap import OverlapPlan, Parts, overlap_plan
 from ssdsl.runtime.prebuilt import prebuild
+from ssdsl.runtime.prologue import step_values_code
 from ssdsl.runtime import sender as sending
 from ssdsl.runtime import straight as straight_code
 from ssdsl.runtime.reference import to_dtype
@@ -562,8 +563,7 @@ class Runner(Handler):
             return
         flat = list(grads)
         if ins.loss:
-            dtype = flat[0].dtype if flat else torch.float64
-            flat.append(torch.tensor([self._my_loss()], dtype=dtype))
+            flat.append(self._my_loss_tensor(flat[0].dtype if flat else torch.float64))
         w = Wait(self.rank, Coll("all_reduce", ins.group), ins, ("reduce", ins.bucket),
                  payload=_flatten(flat))
         yield from self.meet(w)
@@ -617,9 +617,27 @@ class Runner(Handler):
         """The sum of the loss parts this rank counts."""
         return float(sum(float(x.detach()) for x, counted in self.losses if counted))
 
-    def on_loss_sum(self, ins) -> Iterator[Wait]:
+    def _my_loss_tensor(self, dtype: torch.dtype) -> torch.Tensor:
+        """``_my_loss()`` as a one-element tensor of ``dtype``, made without reading the value
+        out (no ``item``, no tensor made from a Python number): the parts are added in float64,
+        as ``_my_loss`` adds them. A new tensor, never a view of a loss part: collectives write
+        into it."""
+        parts = [x.detach() for x, counted in self.losses if counted]
+        if not parts:
+            return torch.zeros(1, dtype=dtype)
+        if len(parts) == 1:
+            return parts[0].reshape(1).to(dtype, copy=True)
+        return torch.stack(parts).to(torch.float64).sum().reshape(1).to(dtype)
+
+    def on_loss_sum(self, ins) -> Iterator[Wait] | None:
+        if len(ins.group) == 1:  # nothing to add: this rank's share is the loss
+            self.loss_total = self._my_loss()
+            return None
+        return self._loss_sum(ins)
+
+    def _loss_sum(self, ins) -> Iterator[Wait]:
         w = Wait(self.rank, Coll("all_reduce", ins.group), ins, ("loss",),
-                 payload=torch.tensor([self._my_loss()], dtype=torch.float64))
+                 payload=self._my_loss_tensor(torch.float64))
         yield from self.meet(w)
         self.loss_total = float(w.result.item())
 
@@ -711,7 +729,7 @@ class DistRunner(Runner):
         flat = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 for leaf in self.parts.leaves[k]]
         if k == self.parts.carrier:
-            flat.append(torch.tensor([self._my_loss()], dtype=flat[0].dtype))
+            flat.append(self._my_loss_tensor(flat[0].dtype))
         buf = _flatten(flat)
         group = self._bucket_groups[bucket]
         work = dist.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
@@ -735,7 +753,7 @@ class DistRunner(Runner):
 
     # -- the loss summed while the step runs ---------------------------------------------------------
     def _start_loss(self) -> None:
-        buf = torch.tensor([self._my_loss()], dtype=torch.float64)
+        buf = self._my_loss_tensor(torch.float64)
         group = self.loss_plan.group
         work = dist.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
                                async_op=True)
@@ -899,7 +917,7 @@ class RankProgram:
         self._early: tuple | None = None  # early_receives(program), on the first whole step
         self._loss_plan: LossPlan | None = None
         self._overlap: OverlapPlan | None = None
-        self._step_values: tuple | None = None  # (graph, its step_values_fn), on first use
+        self._step_values: tuple | None = None  # (graph, its step_values_code), on first use
 
     def _overlap_plan(self) -> OverlapPlan | None:
         """The buckets this rank reduces during its last backward (``ssdsl.runtime.overlap``),
@@ -948,7 +966,7 @@ class RankProgram:
         tokens, ``ssdsl.transform.normalize``)."""
         values = getattr(self, "_step_values", None)
         if values is None or values[0] is not self.graph:
-            values = self._step_values = (self.graph, step_values_fn(self.graph))
+            values = self._step_values = (self.graph, step_values_code(self.graph))
         self.runner.start(values[1](to_dtype(tuple(batch), self.dtype)))
 
     def run_unit(self, unit: str) -> None:
