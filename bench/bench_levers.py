@@ -7,9 +7,8 @@
 shared machine moves between the variants' launches (it moved the figures by 2x here). This
 script instead builds every variant on the same ranks, in one launch: ssdsl with every lever on,
 ssdsl with one lever off (each lever of ``bench_peers.LEVERS`` that acts on ``--plan``), and
-``DistributedDataParallel``; then it runs one step of each in turn (which goes first turns
-with the steps), ``--steps`` times, so that
-neighbouring steps of two variants see the same load. A step's time is the slowest rank's; each
+``DistributedDataParallel``; then it runs one step of each in turn (in an order drawn anew
+every step), ``--steps`` times, so that neighbouring steps of two variants see the same load. A step's time is the slowest rank's; each
 variant's figure is the median of its steps (after 2 warm-up rounds). Default model: the peers'
 nanoGPT-style decoder (``bench_peers.MODEL``). Prints JSON: each variant's median step and its
 ratio to DDP.
@@ -20,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -98,9 +98,12 @@ def worker(model_path: str, plan: str, steps: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in variants}
     for step in range(steps + WARMUP):
         inputs, target = mf.get_batch(step, mf.batch_size)
+        # a new order every step, the same on every rank: a rotation of one fixed order would
+        # let each variant always follow the same one (it measured the variant after DDP
+        # 3-6% slower than the others, whichever it was)
         names = list(variants)
-        shift = step % len(names)  # which variant goes first turns with the steps
-        for name in names[shift:] + names[:shift]:
+        random.Random(step).shuffle(names)
+        for name in names:
             one = variants[name]
             dist.barrier()
             start = time.perf_counter()
