@@ -1,7 +1,7 @@
 """The executor's runtime levers on a data-parallel step, measured on the same ranks, step by step.
 
     python bench/bench_levers.py [--nproc 2] [--steps 40] [--model PATH] [--plan dp]
-                                 [--batch-size N]
+                                 [--batch-size N] [--layers N]
 
 ``bench_peers.py --off LEVER`` launches every variant afresh, so the load that other jobs put on a
 shared machine moves between the variants' launches (it moved the figures by 2x here). This
@@ -123,13 +123,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default=None, help="a model file (default: the peers' GPT)")
     p.add_argument("--plan", default="dp")
     p.add_argument("--batch-size", type=int, default=16, help="for the peers' GPT")
+    p.add_argument("--layers", type=int, default=4, help="for the peers' GPT")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
             model = str(Path(tmp) / "peers_gpt.py")
-            Path(model).write_text(MODEL.format(layers=4, width=128, heads=4, seq=64, vocab=512,
+            Path(model).write_text(MODEL.format(layers=args.layers, width=128, heads=4, seq=64, vocab=512,
                                                 batch=args.batch_size))
         times = launch("bench_levers:worker", nproc=args.nproc,
                        args=(model, args.plan, args.steps), timeout_s=1800)[0]

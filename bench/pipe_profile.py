@@ -3,7 +3,8 @@
     python bench/pipe_profile.py [--nproc 2] [--kind 1f1b] [--steps 12] [--warmup 4] [--rounds 2]
 
 ssdsl's side: every instruction the executor visits is timed (``Runner.visit`` and the walk of
-its waits), and the time spent inside torch.distributed's blocking calls (``Work.wait``, ``recv``,
+its waits; the timed runner walks its program instruction by instruction, without the
+straight-line code of ``ssdsl.runtime.straight``, so its own figures are a little higher), and the time spent inside torch.distributed's blocking calls (``Work.wait``, ``recv``,
 collectives) is counted apart as ``wait:KIND``; posting an ``isend``/``irecv`` as ``post:...``;
 the main thread's CPU time per kind as ``cpu:KIND``. torch's side: ``forward_one_chunk``,
 ``backward_one_chunk``, the p2p posts and waits, the optimizer and the loss all-reduce, with
@@ -141,7 +142,11 @@ def ssdsl_prof(model_path: str, plan: str, steps: int) -> list[dict]:
         buckets["n:" + kind] += 1
         return None
 
-    runner.visit = visit.__get__(runner)
+    # a class of its own whose visit is timed: ``Runner.run`` walks such a runner instruction by
+    # instruction (a visit set on the instance alone would be bypassed by the straight-line
+    # code, and nothing would be timed)
+    runner.__class__ = type("Profiled" + type(runner).__name__, (type(runner),),
+                            {"visit": visit})
     _gc_timer(buckets)
     line: list = []
     t_step = [0.0]
