@@ -695,9 +695,10 @@ class DistRunner(Runner):
         self._ends = 0
         self._loss_work = None
         self.started = {}
-        # this step's sends go through the process's sender thread (``ssdsl.runtime.sender``),
-        # started by the first send
-        self._threaded = sending.wanted()
+        # whether this step's sends go through the process's sender thread
+        # (``ssdsl.runtime.sender``, started by the first send) is settled at the step's first
+        # send: a step that sends nothing (data parallelism) asks nothing
+        self._threaded: bool | None = None
         self._sender = None
 
     # -- buckets reduced during the last backward --------------------------------------------------
@@ -815,6 +816,8 @@ class DistRunner(Runner):
         return iter(())
 
     def post(self, msg, piece: torch.Tensor, ins: Any) -> None:
+        if self._threaded is None:
+            self._threaded = sending.wanted()
         if self._threaded:
             if self._sender is None:
                 self._sender = sending.sender()

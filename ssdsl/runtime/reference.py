@@ -42,7 +42,8 @@ class RunRecord:
 def to_dtype(batch: Any, dtype: torch.dtype) -> Any:
     """``batch`` with its floating tensors converted (integer tokens and labels stay as they are)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(dtype) if batch.is_floating_point() else batch
+        # ``to`` gives the tensor itself when it has the dtype already, through a dispatch
+        return batch.to(dtype) if batch.is_floating_point() and batch.dtype != dtype else batch
     if isinstance(batch, (tuple, list)):
         return type(batch)(to_dtype(b, dtype) for b in batch)
     return batch
