@@ -126,7 +126,7 @@ def step_values_code(graph: Graph) -> Callable[[Sequence[Any]], tuple[Any, ...]]
     w = _Writer(graph)
     try:
         lines = _source(graph, w)
-    except _NotInline:
+    except (_NotInline, KeyError):  # an argument or a value it cannot name: the interpreter's
         return generic
     namespace: dict[str, Any] = {"K": w.consts, "no_grad": torch.no_grad}
     exec(compile("\n".join(lines), _FILENAME, "exec"), namespace)  # noqa: S102 - our own
