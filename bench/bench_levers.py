@@ -8,8 +8,10 @@ shared machine moves between the variants' launches (it moved the figures by 2x 
 script instead builds every variant on the same ranks, in one launch: ssdsl with every lever on,
 ssdsl with one lever off (each lever of ``bench_peers.LEVERS`` that acts on ``--plan``), and
 ``DistributedDataParallel``; then it runs one step of each in turn (in an order drawn anew
-every step), ``--steps`` times, so that neighbouring steps of two variants see the same load. A step's time is the slowest rank's; each
-variant's figure is the median of its steps (after 2 warm-up rounds). Default model: the peers'
+every step), ``--steps`` times, so that neighbouring steps of two variants see the same load. A
+step's time is the slowest rank's; each variant's figure is the median of its steps (after 2
+warm-up rounds); a variant with a lever off pays the few microseconds of setting it around its
+steps. Default model: the peers'
 nanoGPT-style decoder (``bench_peers.MODEL``). Prints JSON: each variant's median step and its
 ratio to DDP.
 """
