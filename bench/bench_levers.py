@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = args.model
         if model is None:
             model = str(Path(tmp) / "peers_gpt.py")
-            Path(model).write_text(MODEL.format(layers=args.layers, width=128, heads=4, seq=64, vocab=512,
+            Path(model).write_text(MODEL.format(layers=args.layers, width=128, heads=4, seq=64,
+                                                vocab=512,
                                                 batch=args.batch_size))
         times = launch("bench_levers:worker", nproc=args.nproc,
                        args=(model, args.plan, args.steps), timeout_s=1800)[0]
