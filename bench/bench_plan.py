@@ -38,6 +38,20 @@ from ssdsl.trace.export import _input_seeds, _TrainingForward, graph_from_export
 from ssdsl.trace.model_file import ModelFile, default_loss, default_optimizer
 
 
+def meta_gpt_graph(layers: int, heads: int, hidden: int, seq: int, vocab: int, batch: int):
+    """examples/gpt.py at this size (its LM head tied to the token embedding), traced on meta."""
+    with torch.device("meta"):
+        model = _gpt_module().build_gpt(n_layer=layers, n_head=heads, n_embd=hidden,
+                                        block_size=seq, vocab=vocab)
+        idx = torch.randint(0, vocab, (batch, seq + 1), device="meta")
+        data = (idx[:, :-1], idx[:, 1:])
+        ep = torch.export.export(_TrainingForward(model, default_loss), data, strict=False)
+        mf = ModelFile(path="gpt", build_model=lambda: model, get_batch_fn=lambda s, b: data,
+                       loss=default_loss, make_optimizer=default_optimizer, batch_size=batch,
+                       input_dims=(("batch", "seq"),), has_optimizer=False)
+        return graph_from_export(ep, seeds=_input_seeds(mf, ep, 1), model=model)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=24)
@@ -67,16 +81,8 @@ def main() -> None:
     # collector never scans it again (``ssdsl.gcpause``)
     t0, c0 = time.perf_counter(), time.process_time()
     paused = functools.partial(gc_paused, keep=True)
-    with paused(), torch.device("meta"):
-        model = _gpt_module().build_gpt(n_layer=a.layers, n_head=a.heads, n_embd=a.hidden,
-                                        block_size=a.seq, vocab=a.vocab)
-        idx = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device="meta")
-        batch = (idx[:, :-1], idx[:, 1:])
-        ep = torch.export.export(_TrainingForward(model, default_loss), batch, strict=False)
-        mf = ModelFile(path="gpt", build_model=lambda: model, get_batch_fn=lambda s, b: batch,
-                       loss=default_loss, make_optimizer=default_optimizer, batch_size=a.batch,
-                       input_dims=(("batch", "seq"),), has_optimizer=False)
-        graph = graph_from_export(ep, seeds=_input_seeds(mf, ep, 1), model=model)
+    with paused():
+        graph = meta_gpt_graph(a.layers, a.heads, a.hidden, a.seq, a.vocab, a.batch)
     times["trace_s"] = time.perf_counter() - t0
     cpu["trace_s"] = time.process_time() - c0
 

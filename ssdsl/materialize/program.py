@@ -25,6 +25,7 @@ from ssdsl.gcpause import gc_paused
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.region import Region
 from ssdsl.materialize.boundary import gather_boundary_reads
+from ssdsl.materialize.copies import copy_weight_reads
 from ssdsl.materialize.fanout import gather_fanouts
 from ssdsl.materialize.plan import plan_adapter
 from ssdsl.materialize.reducer import (GradReducer, Weight, ZeroSpec, module_unit,
@@ -122,12 +123,16 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     With micro-batches, ``t``'s parts are one micro-batch's (local coordinates): the adapters are
     planned once and every micro-batch runs them. ``schedule`` is passed through to the runtime.
     """
-    t = gather_fanouts(t) if schedule is None else gather_boundary_reads(t)
+    if schedule is None:
+        t = gather_fanouts(t)
+    else:  # a stage-3 weight is gathered around its uses by its holders: one stage holds it
+        sharded = frozenset(w for z in zero_specs(t) if z.stage == 3 for w in z.weights)
+        t = gather_boundary_reads(copy_weight_reads(t, keep=sharded))
     _check_one_part_per_device(t, schedule)
     g = t.graph
     sources = source_names(t)
     producer = g.producer()
-    partial = {} if schedule is not None else partial_gradient_replicas(t)
+    partial = partial_gradient_replicas(t)
     # no gradient adapter for a tensor that needs no gradient: no rank would send one
     needs_grad = loss_grad_tensors(g)
     traced = traced_dtype(g)
