@@ -5,7 +5,7 @@ accounting (``Materialized.accounting``: every edge's adapter per micro-batch, f
 backward, plus the gradient reducer once per step).
 
     python bench/bench_tied.py [--layers 12 --hidden 768 --heads 12 --seq 1024 --vocab 50257]
-                               [--batch 8] [--microbatches 8] [--plan 1f1b:2 ...]
+                               [--batch 16] [--microbatches 8] [--plan 1f1b:2 ...]
 
 ``--plan NAME:WORLD[:k=v,...]`` (repeatable) is a stdlib plan, its world and its ``--set``s;
 the default is 1f1b on 2 and 4 stages and dp 2 x pp 2. Prints JSON, one row per plan: MB per step
@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--plan", action="append", default=None, metavar="NAME:WORLD[:k=v,...]")
     a = p.parse_args()

@@ -161,7 +161,10 @@ def test_lowered_zb_h1_programs_pass_and_read_back(lowered_zb):
     for p in progs:
         assert parse_program(program_text(p)) == p
         kinds = {ins.kind for ins in p.instructions}
-        assert {"backward_input", "backward_weight"} <= kinds and "backward" not in kinds
+        assert "backward_weight" in kinds and "backward" not in kinds
+        # the first stage receives no activation (the tied embedding is its own, not sent: its
+        # I is empty, its W does the whole backward); the second receives one every micro-batch
+        assert ("backward_input" in kinds) == (p.rank == 1)
 
 
 def _blocks(instructions):

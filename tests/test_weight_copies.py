@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import attrs
 import pytest
 import torch
 
 from ssdsl.check.program import check_programs
 from ssdsl.elaborate import elaborate_file
+from ssdsl.ir.batchfree import batch_free
 from ssdsl.ir.graph import Graph, Op, TensorInfo, TensorRef
 from ssdsl.lower import lower_plan
 from ssdsl.lower.instr import Comm
@@ -185,13 +185,8 @@ def test_batch_free_operators_exclude_the_batch_randomness_and_in_place_writes()
     names = ["w", "a", "at", "pos", "m", "d", "dt", "r", "buf", "b2", "x", "y", "l"]
     g = Graph(ops=ops, tensors={n: _info(n) for n in names}, params={"w": "w"},
               buffers={"buf": "buf"}, inputs=("x",), output="l")
-    found = copies.batch_free(_FakeT(g))
+    found = batch_free(g)
     assert found == {"alias", "t", "arange", "mask"}
-
-
-@attrs.frozen
-class _FakeT:
-    graph: Graph
 
 
 # -- real ranks --------------------------------------------------------------------------------

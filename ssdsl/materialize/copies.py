@@ -30,36 +30,13 @@ from collections.abc import Mapping
 
 import attrs
 
+from ssdsl.ir.batchfree import batch_free
 from ssdsl.ir.graph import Op, TensorRef, map_tensor_refs
 from ssdsl.materialize.fanout import _fresh
 from ssdsl.transform.parts import Part, Transformed, row_major
 
 # False keeps every cross-stage read of such a value an edge (``bench/bench_peers.py --off``)
 ENABLED = True
-
-_RANDOM = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson",
-           "exponential", "geometric", "cauchy", "log_normal")
-
-
-def batch_free(t: Transformed, keep: frozenset[str] = frozenset()) -> set[str]:
-    """The operators whose outputs need no batch and no randomness (module docstring), whose
-    outputs are not the loss, which change nothing in place and read no parameter of ``keep``."""
-    g = t.graph
-    sources = {*g.params, *g.buffers, *g.constants} - keep
-    out: set[str] = set()
-    made: set[str] = set()
-    for op in g.ops:
-        target = op.target.lower()
-        words = target.split(".")
-        base = words[1] if len(words) > 2 else words[0]
-        if (any(word in target for word in _RANDOM) or g.output in op.outputs
-                or base.endswith("_")):
-            continue
-        if all(x in sources or x in made for x in op.inputs):
-            out.add(op.name)
-            made.update(op.outputs)
-    return out
-
 
 def copy_weight_reads(t: Transformed, keep: frozenset[str] = frozenset()) -> Transformed:
     """``t`` with the batch-free operators that later stages read on other devices copied onto
@@ -68,7 +45,7 @@ def copy_weight_reads(t: Transformed, keep: frozenset[str] = frozenset()) -> Tra
     if t.num_stages < 2 or not ENABLED:
         return t
     g = t.graph
-    free = batch_free(t, keep)
+    free = batch_free(g, keep)
     if not free:
         return t
     consumers = g.consumers()

@@ -5,7 +5,9 @@
 1. ``stages ... as st`` becomes a stage number per operator: contiguous segments of the graph's
    (topological) operator order, chosen by selectors or balanced by estimated cost
    (``op_cost``: the size of an operator's iteration space, i.e. multiply-adds for a matmul, the
-   element count for an elementwise op);
+   element count for an elementwise op); among the cuts within ``STAGE_SLACK`` of the best
+   balance, those that send the fewest bytes (``cut_bytes``: between transformer blocks rather
+   than inside one);
 2. ``assign st[i] to devices G`` places every part of stage i's operators, exactly as an
    ``assign`` of those operators would (one part per device of G, row-major);
 3. ``microbatch along batch into M`` splits every part in time (``ssdsl.transform.microbatch``);
@@ -19,12 +21,15 @@ The result is not checked here: ``ssdsl.check.check_schedule`` runs on ``Lowered
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import attrs
+import torch
 
 from ssdsl.errors import ErrorCollector
 from ssdsl.elaborate.directives import Assign, Microbatch, Path, Recompute, Stages, StageRef
 from ssdsl.gcpause import gc_paused
+from ssdsl.ir.batchfree import batch_free
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.graph import Op
 from ssdsl.ops import Annotation
@@ -66,6 +71,57 @@ def op_cost(t: Transformed, op: Op) -> float:
     return float(sum(t.graph.tensors[x].numel for x in op.outputs))
 
 
+# How much more than the best balance's largest stage cost an automatic cut may give its largest
+# stage to send fewer bytes between stages (0: balance alone, as before)
+STAGE_SLACK = 0.05
+
+
+def cut_bytes(t: Transformed) -> list[float]:
+    """``out[i]``: the bytes per step a stage cut right before operator i sends, forward and
+    back: every tensor made before i and read at or after it (twice when it needs a gradient),
+    except the values that need no batch (each stage computes its own, ``ssdsl.ir.batchfree``).
+    Sources (the batch, parameters) are read where they are needed and cross nothing."""
+    g = t.graph
+    free = batch_free(g)
+    needs = loss_grad_tensors(g)
+    last: dict[str, int] = {}
+    for i, op in enumerate(g.ops):
+        for x in op.inputs:
+            last[x] = i
+    diff = [0.0] * (len(g.ops) + 1)
+    for i, op in enumerate(g.ops):
+        if op.name in free:
+            continue
+        for x in op.outputs:
+            u = last.get(x, -1)
+            if u <= i:
+                continue
+            info = g.tensors[x]
+            size = info.numel * _itemsize(info.dtype) * (2 if x in needs else 1)
+            diff[i + 1] += size
+            diff[u + 1] -= size
+    out, live = [], 0.0
+    for i in range(len(g.ops)):
+        live += diff[i]
+        out.append(live)
+    return out
+
+
+def _itemsize(dtype: str) -> int:
+    found = getattr(torch, dtype.rpartition(".")[2], None)
+    return torch.empty((), dtype=found).element_size() if isinstance(found, torch.dtype) else 4
+
+
+def _balanced(t: Transformed, idx: Sequence[int], n: int, crossing: list[float] | None
+              ) -> tuple[range, ...]:
+    """``balance_stages`` over the operators at (contiguous) positions ``idx``."""
+    ops = t.graph.ops
+    costs = [op_cost(t, ops[i]) for i in idx]
+    if crossing is None or STAGE_SLACK <= 0:
+        return balance_stages(costs, n)
+    return balance_stages(costs, n, crossing=[crossing[i] for i in idx], slack=STAGE_SLACK)
+
+
 def stage_map(t: Transformed, st: Stages) -> dict[str, int]:
     """The stage of every operator under ``st`` (see the module doc)."""
     names = [op.name for op in t.graph.ops]
@@ -76,8 +132,7 @@ def stage_map(t: Transformed, st: Stages) -> dict[str, int]:
     if st.count > len(names):
         raise TooManyStages(f"{st.count} stages but the model has only {len(names)} operators",
                             st.span, hint="ask for fewer stages")
-    costs = [op_cost(t, op) for op in t.graph.ops]
-    ranges = balance_stages(costs, st.count)
+    ranges = _balanced(t, range(len(names)), st.count, cut_bytes(t))
     return {names[i]: s for s, r in enumerate(ranges) for i in r}
 
 
@@ -115,6 +170,7 @@ def _by_calls(t: Transformed, st: Stages) -> dict[str, int]:
             f"{st.count} stages do not divide into {n_calls} equal groups", st.span,
             hint=f"ask for a multiple of {n_calls} stages ({n_calls} * stages)")
     per = st.count // n_calls
+    crossing = cut_bytes(t) if per > 1 else None
     out: dict[str, int] = {}
     for k in range(n_calls):
         idx = [i for i, c in enumerate(calls) if c == k]
@@ -130,7 +186,7 @@ def _by_calls(t: Transformed, st: Stages) -> dict[str, int]:
         if len(idx) < per:
             raise TooManyStages(f"{per} stages per call but call {k} of '{st.over}' has only "
                                 f"{len(idx)} operators", st.span, hint="ask for fewer stages")
-        ranges = balance_stages([op_cost(t, ops[i]) for i in idx], per)
+        ranges = _balanced(t, idx, per, crossing)
         for s, r in enumerate(ranges):
             for j in r:
                 out[ops[idx[j]].name] = k * per + s
@@ -175,6 +231,7 @@ def _split_selected(t: Transformed, st: Stages, group_of: dict[str, int]) -> dic
     """``stages A into N, ...``: the operators of selector i (a contiguous stretch) balanced into
     ``splits[i]`` stages, numbered after the stages of the selectors before it."""
     ops = t.graph.ops
+    crossing = cut_bytes(t) if any(n > 1 for n in st.splits) else None
     out: dict[str, int] = {}
     first = 0
     for i, n in enumerate(st.splits):
@@ -183,7 +240,7 @@ def _split_selected(t: Transformed, st: Stages, group_of: dict[str, int]) -> dic
             raise TooManyStages(f"'{st.selectors[i]} into {n}': {n} stages but the selector has "
                                 f"only {len(idx)} operators", st.span,
                                 hint="ask for fewer stages")
-        for s, r in enumerate(balance_stages([op_cost(t, ops[k]) for k in idx], n)):
+        for s, r in enumerate(_balanced(t, idx, n, crossing)):
             for j in r:
                 out[ops[idx[j]].name] = first + s
         first += n

@@ -5,10 +5,22 @@ stage, so the cut minimises the largest segment cost (ties: the earliest cuts).
 
 >>> balance_stages([4, 1, 1, 1, 1, 4], 3)
 (range(0, 1), range(1, 5), range(5, 6))
+
+Every cut also sends what crosses it, in every micro-batch, both ways: a cut inside a
+transformer block sends the residual stream and the attention's queries, keys and values (or an
+MLP's 4x-wide hidden layer), where a cut between blocks sends the residual stream alone. Given
+``crossing[i]``, the bytes a cut before index i sends, and ``slack``, the cut takes, among those
+whose largest segment is within ``1 + slack`` of the best, the ones that send the least, and
+among those the best balanced:
+
+>>> balance_stages([2, 1, 1, 2], 2, crossing=[0, 9, 1, 9], slack=0.5)
+(range(0, 2), range(2, 4))
 """
 
 from __future__ import annotations
 
+import bisect
+from collections import deque
 from collections.abc import Sequence
 
 
@@ -26,8 +38,10 @@ def _cuts_within(costs: Sequence[float], n: int, limit: float) -> list[int] | No
     return starts if len(starts) <= n else None
 
 
-def balance_stages(costs: Sequence[float], n: int) -> tuple[range, ...]:
-    """``n`` contiguous non-empty ranges of indices into ``costs`` minimising the largest sum."""
+def balance_stages(costs: Sequence[float], n: int, crossing: Sequence[float] | None = None,
+                   slack: float = 0.0) -> tuple[range, ...]:
+    """``n`` contiguous non-empty ranges of indices into ``costs`` minimising the largest sum;
+    with ``crossing`` and ``slack`` > 0, the least crossing within that slack (module doc)."""
     if not 1 <= n <= len(costs):
         raise ValueError(f"cannot cut {len(costs)} operators into {n} non-empty stages")
     # The optimum is one of the O(k^2) contiguous sums: search them in order.
@@ -43,11 +57,72 @@ def balance_stages(costs: Sequence[float], n: int) -> tuple[range, ...]:
             lo = mid + 1
         else:
             hi = mid
-    starts = _cuts_within(costs, n, sums[lo])
-    assert starts is not None
-    starts = _split_to(starts, len(costs), n)
+    if crossing is not None and slack > 0 and n > 1:
+        starts = _least_crossing(prefix, n, crossing, sums, lo, sums[lo] * (1 + slack))
+    else:
+        starts = _cuts_within(costs, n, sums[lo])
+        assert starts is not None
+        starts = _split_to(starts, len(costs), n)
     ends = starts[1:] + [len(costs)]
     return tuple(range(a, b) for a, b in zip(starts, ends))
+
+
+def _least_crossing(prefix: list[float], n: int, crossing: Sequence[float], sums: list[float],
+                    lo: int, limit: float) -> list[int]:
+    """Segment starts of ``n`` segments, each at most ``limit``, with the least total crossing;
+    then the smallest limit (one of ``sums`` from ``sums[lo]``) that keeps that least total."""
+    best, starts = _min_crossing(prefix, n, crossing, limit)
+    a, b = lo, max(lo, bisect.bisect_right(sums, limit) - 1)
+    while a < b:  # the least total never grows with the limit: the first limit that reaches it
+        mid = (a + b) // 2
+        found, at = _min_crossing(prefix, n, crossing, sums[mid])
+        if found is not None and found <= best:
+            b, starts = mid, at
+        else:
+            a = mid + 1
+    return starts
+
+
+def _min_crossing(prefix: list[float], n: int, crossing: Sequence[float], limit: float
+                  ) -> tuple[float | None, list[int]]:
+    """The least total ``crossing`` over cuts into ``n`` non-empty segments of sum at most
+    ``limit``, and the segment starts (None, []: no such cut). ``best[i]`` is the least total
+    for ``prefix`` length i in j segments; for each j the window of feasible starts of the last
+    segment slides right with i, so a monotone deque keeps its minimum: O(n k)."""
+    k = len(prefix) - 1
+    limit = limit * (1 + 1e-12) + 1e-12
+    inf = float("inf")
+    best = [0.0] + [inf] * k  # one segment: [0, i) when within the limit
+    for i in range(1, k + 1):
+        best[i] = 0.0 if prefix[i] - prefix[0] <= limit else inf
+    parents: list[list[int]] = []
+    for _ in range(1, n):
+        nxt, parent = [inf] * (k + 1), [-1] * (k + 1)
+        window: deque[int] = deque()
+        left = 1
+        for i in range(2, k + 1):
+            s = i - 1  # the newest start: the last segment is [s, i)
+            if best[s] < inf:
+                value = best[s] + crossing[s]
+                while window and best[window[-1]] + crossing[window[-1]] > value:
+                    window.pop()
+                window.append(s)
+            while prefix[i] - prefix[left] > limit:
+                left += 1
+            while window and window[0] < left:
+                window.popleft()
+            if window:
+                nxt[i] = best[window[0]] + crossing[window[0]]
+                parent[i] = window[0]
+        best = nxt
+        parents.append(parent)
+    if best[k] == inf:
+        return None, []
+    starts, i = [], k
+    for parent in reversed(parents):
+        i = parent[i]
+        starts.append(i)
+    return best[k], [0, *reversed(starts)]
 
 
 def _split_to(starts: list[int], k: int, n: int) -> list[int]:
