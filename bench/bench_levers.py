@@ -1,13 +1,14 @@
 """The executor's runtime levers on a data-parallel step, measured on the same ranks, step by step.
 
     python bench/bench_levers.py [--nproc 2] [--steps 40] [--model PATH] [--plan dp]
-                                 [--batch-size N] [--layers N]
+                                 [--batch-size N] [--layers N] [--levers L ...]
 
 ``bench_peers.py --off LEVER`` launches every variant afresh, so the load that other jobs put on a
 shared machine moves between the variants' launches (it moved the figures by 2x here). This
 script instead builds every variant on the same ranks, in one launch: ssdsl with every lever on,
-ssdsl with one lever off (each lever of ``bench_peers.LEVERS`` that acts on ``--plan``), and
-``DistributedDataParallel``; then it runs one step of each in turn (in an order drawn anew
+ssdsl with one lever off (each of ``--levers``, default the levers of ``bench_peers.LEVERS``
+that act on data parallelism), and ``DistributedDataParallel`` (the reference of a ``dp`` plan;
+beside a pipeline plan, a yardstick only); then it runs one step of each in turn (in an order drawn anew
 every step), ``--steps`` times, so that neighbouring steps of two variants see the same load. A
 step's time is the slowest rank's; each variant's figure is the median of its steps (after 2
 warm-up rounds); a variant with a lever off pays the few microseconds of setting it around its
@@ -69,7 +70,8 @@ def _ssdsl(model_path: str, plan: str, off: tuple[str, ...], first_batch):
     return lambda inputs, target: with_off(pm.train_step, inputs, target)
 
 
-def worker(model_path: str, plan: str, steps: int) -> dict[str, list[float]]:
+def worker(model_path: str, plan: str, steps: int, levers: tuple[str, ...] = DP_LEVERS
+           ) -> dict[str, list[float]]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -81,7 +83,7 @@ def worker(model_path: str, plan: str, steps: int) -> dict[str, list[float]]:
     mf = load_model_file(model_path)
     first = mf.get_batch(0, mf.batch_size)
     variants = {"ssdsl": _ssdsl(model_path, plan, (), first)}
-    for lever in DP_LEVERS:
+    for lever in levers:
         variants[f"ssdsl-no-{lever}"] = _ssdsl(model_path, plan, (lever,), first)
     ddp = DistributedDataParallel(mf.build(seed=0))
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--plan", default="dp")
     p.add_argument("--batch-size", type=int, default=16, help="for the peers' GPT")
     p.add_argument("--layers", type=int, default=4, help="for the peers' GPT")
+    p.add_argument("--levers", nargs="+", default=list(DP_LEVERS), choices=sorted(LEVERS),
+                   help="the levers to turn off one by one (default: %(default)s)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,11 +140,12 @@ def main(argv: list[str] | None = None) -> dict:
                                                 vocab=512,
                                                 batch=args.batch_size))
         times = launch("bench_levers:worker", nproc=args.nproc,
-                       args=(model, args.plan, args.steps), timeout_s=1800)[0]
+                       args=(model, args.plan, args.steps, tuple(args.levers)),
+                       timeout_s=1800)[0]
     med = {k: statistics.median(v) for k, v in times.items()}
     report = {"config": vars(args), "median_step_s": med,
               "ratio_to_ddp": {k: v / med["ddp"] for k, v in med.items()},
-              "lever": {lv: med["ssdsl"] / med[f"ssdsl-no-{lv}"] for lv in DP_LEVERS}}
+              "lever": {lv: med["ssdsl"] / med[f"ssdsl-no-{lv}"] for lv in args.levers}}
     print(json.dumps(report, indent=2))
     return report
 

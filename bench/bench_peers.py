@@ -217,6 +217,8 @@ def eager_worker(model_path: str, steps: int) -> tuple[list[float], list[float]]
 # a replicated loss reported by each rank without a collective)
 LEVERS = {
     "boundary": ("ssdsl.materialize.boundary", "ENABLED", False),
+    "copies": ("ssdsl.materialize.copies", "ENABLED", False),
+    "cut_bytes": ("ssdsl.schedule.resolve", "STAGE_SLACK", 0.0),
     "own_loss": ("ssdsl.lower.build", "OWN_LOSS", False),
     "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
     "early_loss": ("ssdsl.runtime.early_loss", "ENABLED", False),
