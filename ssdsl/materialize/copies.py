@@ -99,8 +99,8 @@ def _insert(t: Transformed, copies: Mapping[tuple[str, int], str],
         new_name = _fresh(f"{name}_st{s}", taken)
         taken.add(new_name)
         outs = []
-        for x in op.outputs:
-            y = _fresh(f"{x}_st{s}", taken)
+        for x in op.outputs:  # an output named as its operator keeps the copy's name
+            y = new_name if x == name else _fresh(f"{x}_st{s}", taken)
             taken.add(y)
             tensors[y] = attrs.evolve(g.tensors[x], name=y)
             renamed[(x, s)] = y
