@@ -8,13 +8,12 @@ shared machine moves between the variants' launches (it moved the figures by 2x 
 script instead builds every variant on the same ranks, in one launch: ssdsl with every lever on,
 ssdsl with one lever off (each of ``--levers``, default the levers of ``bench_peers.LEVERS``
 that act on data parallelism), and ``DistributedDataParallel`` (the reference of a ``dp`` plan;
-beside a pipeline plan, a yardstick only); then it runs one step of each in turn (in an order drawn anew
-every step), ``--steps`` times, so that neighbouring steps of two variants see the same load. A
-step's time is the slowest rank's; each variant's figure is the median of its steps (after 2
-warm-up rounds); a variant with a lever off pays the few microseconds of setting it around its
-steps. Default model: the peers'
-nanoGPT-style decoder (``bench_peers.MODEL``). Prints JSON: each variant's median step and its
-ratio to DDP.
+beside a pipeline plan, a yardstick only); then it runs one step of each in turn (in an order
+drawn anew every step), ``--steps`` times, so that neighbouring steps of two variants see the
+same load. A step's time is the slowest rank's; each variant's figure is the median of its steps
+(after 2 warm-up rounds); a variant with a lever off pays the few microseconds of setting it
+around its steps. Default model: the peers' nanoGPT-style decoder (``bench_peers.MODEL``).
+Prints JSON: each variant's median step and its ratio to DDP.
 """
 
 from __future__ import annotations

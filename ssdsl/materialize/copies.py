@@ -19,9 +19,10 @@ data-parallel weight's is.
 
 A random operator (dropout, ``rand``) is never copied (a copy would draw other numbers), nor one
 that reads a weight sharded at ZeRO stage 3 (its holders gather it around each use, which the
-lowering does within one stage), nor one whose copy would share a device with the original (interleaved stages on one device: nothing
-crosses devices there), nor one whose reader has a different number of parts (no one-to-one
-mapping onto its devices): those keep their edges, which are correct, only dearer.
+lowering does within one stage), nor one whose copy would share a device with the original
+(interleaved stages on one device: nothing crosses devices there), nor one whose reader has a
+different number of parts (no one-to-one mapping onto its devices): those keep their edges,
+which are correct, only dearer.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import attrs
 from ssdsl.ir.batchfree import batch_free
 from ssdsl.ir.graph import Op, TensorRef, map_tensor_refs
 from ssdsl.materialize.fanout import _fresh
-from ssdsl.transform.parts import Part, Transformed, row_major
+from ssdsl.transform.parts import Transformed, row_major
 
 # False keeps every cross-stage read of such a value an edge (``bench/bench_peers.py --off``)
 ENABLED = True
+
 
 def copy_weight_reads(t: Transformed, keep: frozenset[str] = frozenset()) -> Transformed:
     """``t`` with the batch-free operators that later stages read on other devices copied onto
