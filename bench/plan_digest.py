@@ -15,12 +15,10 @@ import hashlib
 
 import torch
 
-from bench_trace import _gpt_module
+from bench_plan import meta_gpt_graph
 from ssdsl.elaborate import elaborate_file
 from ssdsl.errors import SsdslError
 from ssdsl.runtime.job import schedule_plan
-from ssdsl.trace.export import _input_seeds, _TrainingForward, graph_from_export
-from ssdsl.trace.model_file import ModelFile, default_loss, default_optimizer
 
 # (name, layers, heads, batch, plan, world, sets)
 CASES = (
@@ -46,16 +44,7 @@ CASES = (
 
 def graph_of(layers: int, hidden: int, heads: int, seq: int, batch: int, vocab: int):
     """A GPT traced on ``meta`` (as bench_plan traces it)."""
-    with torch.device("meta"):
-        model = _gpt_module().build_gpt(n_layer=layers, n_head=heads, n_embd=hidden,
-                                        block_size=seq, vocab=vocab)
-    idx = torch.randint(0, vocab, (batch, seq + 1), device="meta")
-    batch_ = (idx[:, :-1], idx[:, 1:])
-    ep = torch.export.export(_TrainingForward(model, default_loss), batch_, strict=False)
-    mf = ModelFile(path="gpt", build_model=lambda: model, get_batch_fn=lambda s, b: batch_,
-                   loss=default_loss, make_optimizer=default_optimizer, batch_size=batch,
-                   input_dims=(("batch", "seq"),), has_optimizer=False)
-    return graph_from_export(ep, seeds=_input_seeds(mf, ep, 1), model=model)
+    return meta_gpt_graph(layers, heads, hidden, seq, vocab, batch)
 
 
 def digests(graph, plan_name: str, world: int, sets: dict[str, str]) -> dict[str, str]:
