@@ -62,3 +62,30 @@ def test_least_crossing_within_the_slack_matches_brute_force(items, n, slack):
     least, worst = _brute_least_crossing(costs, n, crossing, slack)
     assert sum(crossing[r.start] for r in parts[1:]) == least
     assert max(sum(costs[i] for i in r) for r in parts) == worst
+
+
+def test_a_convolutions_cost_is_its_multiply_adds(tmp_path):
+    """``op_cost`` of a convolution: batch x output channels x output positions x input
+    channels x kernel (oracle: the shapes, by hand), not times the input positions as well
+    (which made a ResNet's stem outweigh the whole rest and put every layer on one stage)."""
+    from ssdsl.elaborate import elaborate_file
+    from ssdsl.schedule.resolve import op_cost
+    from ssdsl.trace.export import trace
+    from ssdsl.trace.model_file import load_model_file
+    from ssdsl.transform import transform
+
+    (tmp_path / "conv.py").write_text(
+        "import torch\nimport torch.nn as nn\nBATCH_SIZE = 2\n"
+        "INPUT_DIMS = (('batch', 'c', 'h', 'w'),)\n"
+        "def build_model():\n"
+        "    return nn.Sequential(nn.Conv2d(3, 8, 5, stride=2, padding=2), nn.Flatten(),"
+        " nn.Linear(8 * 16 * 16, 4))\n"
+        "def get_batch(step, batch_size):\n"
+        "    g = torch.Generator().manual_seed(step)\n"
+        "    return ((torch.randn(batch_size, 3, 32, 32, generator=g),),"
+        " torch.randint(0, 4, (batch_size,), generator=g))\n")
+    (tmp_path / "p.ssp").write_text("plan p()\nassign all to device 0\n")
+    graph = trace(load_model_file(str(tmp_path / "conv.py")), device="meta")
+    t = transform(graph, elaborate_file(str(tmp_path / "p.ssp"), world=1))
+    (conv,) = [op for op in graph.ops if op.kind == "conv2d"]
+    assert op_cost(t, conv) == 2 * 8 * 16 * 16 * 3 * 5 * 5

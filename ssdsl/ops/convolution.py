@@ -61,8 +61,9 @@ def conv(call: Call) -> Annotation:
     ins = [(*lead, x_c, *x_sp), (o_c, w_c, *w_sp)]
     if call.arg(2, "bias") is not None:
         ins.append((o_c,))
+    windows = frozenset(label for label in frozen if label.startswith("h"))
     return Annotation(tuple(ins), ((*lead, o_c, *o_sp),), reduced=reduced,
-                      frozen=frozen, words=words, lower=lower)
+                      frozen=frozen, words=words, lower=lower, windows=windows)
 
 
 # The words a linear layer takes (``FEATURE_WORDS``): output and input channels. A grouped

@@ -71,6 +71,9 @@ def build_optimizer(spec: OptimizerSpec, model_file: ModelFile,
     trust ratio) would not, and a plan that shards it would need a reduction this does not add.
     """
     params = list(params)
+    if not params:  # a rank whose operators read no parameter (a pipeline stage of the loss
+        # alone): one empty tensor, which every torch optimizer takes and whose step is nothing
+        params = [torch.nn.Parameter(torch.zeros(0))]
     if spec.kind == "model":
         return model_file.make_optimizer(params)
     cls = torch.optim.SGD if spec.kind == "sgd" else torch.optim.AdamW

@@ -64,10 +64,12 @@ class BadRecompute(LowerError):
 
 
 def op_cost(t: Transformed, op: Op) -> float:
-    """Estimated work of ``op``: its iteration space (labels' product), else its output size."""
+    """Estimated work of ``op``: its iteration space (labels' product, a convolution's sliding
+    window over its input positions left out: ``Annotation.windows``), else its output size."""
     ann = t.annotations[op.name]
     if isinstance(ann, Annotation) and ann.sizes():
-        return float(math.prod(ann.sizes().values()))
+        return float(math.prod(n for label, n in ann.sizes().items()
+                               if label not in ann.windows))
     return float(sum(t.graph.tensors[x].numel for x in op.outputs))
 
 
