@@ -38,7 +38,7 @@ MODEL = textwrap.dedent('''
             time.sleep(3600)  # the line the message must show
         if step == 3 and os.environ.get("RANK") == os.environ.get("GREEDY"):
             import re  # a backtracking match: seconds in C, holding the GIL all along
-            re.match(r"(a+)+$", "a" * 26 + "b")
+            re.match(r"(a+)+$", "a" * 27 + "b")
         g = torch.Generator().manual_seed(step)
         return torch.randn(batch_size, 3, generator=g), torch.randint(0, 2, (batch_size,), generator=g)
 ''')
@@ -156,8 +156,10 @@ def test_a_rank_asleep_in_get_batch_is_named_with_its_line(tmp_path):
 
 
 def test_a_rank_that_computes_while_its_heartbeat_is_starved_is_not_stopped(tmp_path):
-    """Rank 1 spends seconds in one native call that holds the GIL (its heartbeat thread cannot
-    write), with the stale bound at 1 s: it uses the CPU, so the watchdog leaves it be and the
+    """Rank 1 spends seconds (4-9 s) in one native call that holds the GIL (its heartbeat thread
+    cannot write), with the stale bound asked at 1 s (the launcher keeps it at two beats, 2 s,
+    so that rank 0's next beat, a moment late on a loaded machine, is not taken for silence; it
+    once was, in CI): it uses the CPU, so the watchdog leaves it be and the
     job finishes (before, it was named 'stopped answering', as a transformers import on a
     loaded machine once was)."""
     model = tmp_path / "small.py"
@@ -169,3 +171,23 @@ def test_a_rank_that_computes_while_its_heartbeat_is_starved_is_not_stopped(tmp_
                           "GREEDY": "1", "SSDSL_STALE_S": "1"})
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "stopped answering" not in out.stdout + out.stderr
+
+
+def test_runnable_tells_a_computing_process_from_a_sleeping_or_stopped_one():
+    """The watchdog's second sign of life, checked against processes whose state is known: a
+    shell loop that spins is runnable; a sleep and a SIGSTOPped spinner are not."""
+    from ssdsl.runtime.launch import _runnable
+
+    spin = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+    nap = subprocess.Popen(["sleep", "30"])
+    try:
+        time.sleep(0.3)
+        assert any(_runnable(spin.pid) for _ in range(20))
+        assert not _runnable(nap.pid)
+        os.kill(spin.pid, signal.SIGSTOP)
+        time.sleep(0.3)
+        assert not _runnable(spin.pid)
+    finally:
+        for p in (spin, nap):
+            p.kill()
+            p.wait()

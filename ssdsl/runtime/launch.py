@@ -80,6 +80,9 @@ _LAUNCHER_PID_VAR = "SSDSL_LAUNCHER_PID"
 _BEAT_S = 1.0
 _BUSY_CPU_S = 0.05  # CPU seconds between two beats that show a rank computing, not standing still
 STALE_S = float(os.environ.get("SSDSL_STALE_S", "10"))
+# A beat is due every _BEAT_S: a bound under two periods would name a rank whose next beat is
+# merely a moment late (it did, now and then, on a loaded machine with SSDSL_STALE_S=1)
+_MIN_STALE_S = 2 * _BEAT_S
 HANG_S = float(os.environ.get("SSDSL_HANG_S", "15"))
 
 
@@ -394,7 +397,8 @@ class _Job:
         if any(b is None for b in beats.values()):
             return  # a rank still starting (its first beat comes within a second of its start)
         busy = self.busy(beats)
-        stale = [r for r, b in beats.items() if now - b.at > STALE_S and r not in busy]
+        bound = max(STALE_S, _MIN_STALE_S)
+        stale = [r for r, b in beats.items() if now - b.at > bound and r not in busy]
         if stale and len(stale) < len(beats):
             r = stale[0]
             self.hang(r, f"stopped answering: no heartbeat for {now - beats[r].at:.0f} s "
@@ -414,12 +418,14 @@ class _Job:
                       beats)
 
     def busy(self, ranks) -> set[int]:
-        """The ``ranks`` whose process used the CPU since the last look and is not stopped:
-        their heartbeat thread may be starved (a long native call holding the GIL, an import
-        on a loaded machine), but they work. Unknown (no ``/proc``): not busy."""
+        """The ``ranks`` whose process used the CPU since the last look, or has a thread waiting
+        for a CPU, and is not stopped: their heartbeat thread may be starved (a long native call
+        holding the GIL, an import on a loaded machine, more runnable threads than cores), but
+        they work. Unknown (no ``/proc``): not busy."""
         now = {r: _process_cpu_s(self.procs[r].pid) for r in ranks}
         busy = {r for r, cpu in now.items() if cpu is not None
-                and self.cpu_seen.get(r) is not None and cpu - self.cpu_seen[r] > _BUSY_CPU_S}
+                and ((self.cpu_seen.get(r) is not None and cpu - self.cpu_seen[r] > _BUSY_CPU_S)
+                     or _runnable(self.procs[r].pid))}
         self.cpu_seen.update(now)
         return busy
 
@@ -642,6 +648,18 @@ def _process_cpu_s(pid: int) -> float | None:
     if fields[0] in ("T", "t", "Z", "X"):
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _runnable(pid: int) -> bool:
+    """Whether a thread of process ``pid`` is running or waiting for a CPU (state R in
+    ``/proc/PID/task/*/stat``): such a process is neither stopped nor frozen."""
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "R":
+                return True
+        except (OSError, IndexError):
+            continue
+    return False
 
 
 def _start_heartbeat(directory: Path, rank: int, *, period_s: float = _BEAT_S,
