@@ -1,4 +1,4 @@
-"""Run the examples in the schedule and check modules' docstrings (they document the API)."""
+"""Run the examples in the schedule, check and cost-count modules' docstrings (they document the API)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 MODULES = ["ssdsl.schedule.units", "ssdsl.schedule.deps", "ssdsl.schedule.grid",
-           "ssdsl.schedule.simulate", "ssdsl.schedule.stages"]
+           "ssdsl.schedule.simulate", "ssdsl.schedule.stages", "ssdsl.ops.macs"]
 
 
 @pytest.mark.parametrize("name", MODULES)

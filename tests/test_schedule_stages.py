@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ssdsl.schedule.stages import balance_stages
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _brute_best(costs, n):
@@ -89,3 +92,138 @@ def test_a_convolutions_cost_is_its_multiply_adds(tmp_path):
     t = transform(graph, elaborate_file(str(tmp_path / "p.ssp"), world=1))
     (conv,) = [op for op in graph.ops if op.kind == "conv2d"]
     assert op_cost(t, conv) == 2 * 8 * 16 * 16 * 3 * 5 * 5
+
+
+def _costs_of(tmp_path, name: str, model_text: str) -> tuple:
+    from ssdsl.elaborate import elaborate_file
+    from ssdsl.schedule.resolve import op_cost
+    from ssdsl.trace.export import trace
+    from ssdsl.trace.model_file import load_model_file
+    from ssdsl.transform import transform
+
+    (tmp_path / f"{name}.py").write_text(model_text)
+    (tmp_path / "p.ssp").write_text("plan p()\nassign all to device 0\n")
+    graph = trace(load_model_file(str(tmp_path / f"{name}.py")), device="meta")
+    t = transform(graph, elaborate_file(str(tmp_path / "p.ssp"), world=1))
+    return graph, (lambda op: op_cost(t, op))
+
+
+def test_a_pool_and_an_embedding_cost_their_outputs_not_their_inputs_too(tmp_path):
+    """Each output element of a max-pool reads a window of input positions and each row of an
+    embedding one row of its table: ``op_cost`` is the output's size (oracle: the shapes, by
+    hand). Before, the pool weighed as input positions times output positions and the lookup
+    as tokens times width times vocabulary (an LM's token embedding as much as its head)."""
+    graph, cost = _costs_of(tmp_path, "pools", (
+        "import torch\nimport torch.nn as nn\nBATCH_SIZE = 2\n"
+        "INPUT_DIMS = (('batch', 'c', 'h', 'w'),)\n"
+        "def build_model():\n"
+        "    return nn.Sequential(nn.MaxPool2d(3, stride=2, padding=1),"
+        " nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(3 * 4 * 4, 4))\n"
+        "def get_batch(step, batch_size):\n"
+        "    g = torch.Generator().manual_seed(step)\n"
+        "    return ((torch.randn(batch_size, 3, 32, 32, generator=g),),"
+        " torch.randint(0, 4, (batch_size,), generator=g))\n"))
+    (pool,) = [op for op in graph.ops if op.kind.startswith("max_pool2d")]
+    (adaptive,) = [op for op in graph.ops if "adaptive_avg_pool2d" in op.kind]
+    assert cost(pool) == 2 * 3 * 16 * 16
+    assert cost(adaptive) == 2 * 3 * 4 * 4
+    graph, cost = _costs_of(tmp_path, "lookup", (
+        "import torch\nimport torch.nn as nn\nBATCH_SIZE = 2\n"
+        "def build_model():\n"
+        "    return nn.Sequential(nn.Embedding(1000, 8), nn.Flatten(), nn.Linear(5 * 8, 4))\n"
+        "def get_batch(step, batch_size):\n"
+        "    g = torch.Generator().manual_seed(step)\n"
+        "    return ((torch.randint(0, 1000, (batch_size, 5), generator=g),),"
+        " torch.randint(0, 4, (batch_size,), generator=g))\n"))
+    (emb,) = [op for op in graph.ops if op.kind == "embedding"]
+    assert cost(emb) == 2 * 5 * 8
+
+
+def test_an_attention_and_the_views_around_it_cost_what_they_touch(tmp_path):
+    """A fused q/k/v projection split three ways, heads made by views, attention, and a
+    concatenation: the attention costs its two products, batch x heads x queries x keys x
+    (head dim + value dim) multiply-adds; the split, the views and the concatenation cost their
+    largest tensor's elements (oracle: the shapes, by hand). Before, a split or a concatenation
+    weighed as the product of the labels on both its sides, and the attention counted the head
+    dim twice over."""
+    graph, cost = _costs_of(tmp_path, "attn", (
+        "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\nBATCH_SIZE = 2\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.qkv = nn.Linear(16, 48)\n"
+        "        self.out = nn.Linear(32, 4)\n"
+        "    def forward(self, x):\n"
+        "        q, k, v = self.qkv(x).split(16, dim=-1)\n"
+        "        q, k, v = (t.view(2, 10, 4, 4).transpose(1, 2) for t in (q, k, v))\n"
+        "        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 10, 16)\n"
+        "        return self.out(torch.cat([y, x], dim=-1)).mean(1)\n"
+        "def build_model():\n"
+        "    return Net()\n"
+        "def get_batch(step, batch_size):\n"
+        "    g = torch.Generator().manual_seed(step)\n"
+        "    return ((torch.randn(batch_size, 10, 16, generator=g),),"
+        " torch.randint(0, 4, (batch_size,), generator=g))\n"))
+    kinds = {op.kind: op for op in graph.ops}
+    assert cost(kinds["sdpa"]) == 2 * 4 * 10 * 10 * (4 + 4)
+    assert cost(kinds["split"]) == 2 * 10 * 48
+    assert cost(kinds["cat"]) == 2 * 10 * 32
+    assert cost(kinds["linear"]) in (2 * 10 * 16 * 48, 2 * 10 * 32 * 4)
+
+
+@pytest.mark.parametrize("model", ["gpt", "hf_gpt2"])
+def test_every_automatic_stage_has_a_backward(model):
+    """``stages into N`` on GPTs whose leading operators (positions, the tied weight's alias)
+    need no batch and no gradient: no stage is made of those alone, whatever N (a stage that
+    runs forwards only refuses a 1F1B order; the least-crossing cut favoured it once costs no
+    longer overweighed the embedding). Oracle: the stage graph's own forward-only set, and the
+    schedule check passing."""
+    from ssdsl.elaborate import elaborate_file
+    from ssdsl.runtime.job import schedule_plan
+    from ssdsl.trace.export import trace
+    from ssdsl.trace.model_file import load_model_file
+
+    if model == "hf_gpt2":
+        pytest.importorskip("transformers")
+    graph = trace(load_model_file(str(ROOT / "examples" / f"{model}.py")), device="meta")
+    for plan, world, sets in [*(("1f1b", n, {}) for n in (2, 3, 4, 6, 8)),
+                              *(("interleaved_1f1b", n, {"chunks": "2"}) for n in (2, 4))]:
+        t, lowered = schedule_plan(graph, elaborate_file(plan, world=world,
+                                                         sets={"microbatches": "4", **sets}))
+        stages = lowered.schedule.stages
+        assert not stages.forward_only, (plan, world, stages.forward_only)
+        assert len(set(t.stage_of.values())) == stages.num_stages
+
+
+def test_a_costly_prelude_without_gradient_is_no_stage_of_its_own(tmp_path):
+    """A model that first computes, from the batch alone, a mask as costly as what follows
+    (nothing of it needs a gradient): the balanced cut would make the mask stage 0, which runs
+    forwards only and which 1F1B's order refuses. The cut keeps it with the first operator that
+    has a backward (oracle: the stage graph's forward-only set; the schedule check passing)."""
+    from ssdsl.elaborate import elaborate_file
+    from ssdsl.runtime.job import schedule_plan
+    from ssdsl.trace.export import trace
+    from ssdsl.trace.model_file import load_model_file
+
+    (tmp_path / "prelude.py").write_text(
+        "import torch\nimport torch.nn as nn\nBATCH_SIZE = 4\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a = nn.Linear(4096, 8)\n"
+        "        self.b = nn.Linear(8, 4)\n"
+        "    def forward(self, x):\n"
+        "        m = (x > 0).float().cumsum(-1)\n"
+        "        m = m / m.amax(-1, keepdim=True)\n"
+        "        return self.b(torch.tanh(self.a(x * m)))\n"
+        "def build_model():\n"
+        "    return Net()\n"
+        "def get_batch(step, batch_size):\n"
+        "    g = torch.Generator().manual_seed(step)\n"
+        "    return ((torch.randn(batch_size, 4096, generator=g),),"
+        " torch.randint(0, 4, (batch_size,), generator=g))\n")
+    graph = trace(load_model_file(str(tmp_path / "prelude.py")), device="meta")
+    t, lowered = schedule_plan(graph, elaborate_file("1f1b", world=2, sets={"microbatches": "2"}))
+    assert not lowered.schedule.stages.forward_only
+    (a,) = [op for op in graph.ops if op.kind == "linear" and op.module == "a"]
+    assert t.stage_of[a.name] == 0

@@ -36,6 +36,7 @@ import attrs
 
 from ssdsl.ir.graph import Graph, Op
 from ssdsl.ops import Annotation
+from ssdsl.ops.macs import ATTENTION, CONVOLUTIONS, MATMULS, multiply_adds
 from ssdsl.transform.parts import Part
 
 VIEW_KINDS = frozenset({
@@ -99,39 +100,35 @@ def aten_name(target: str) -> str:
     return parts[1] if len(parts) >= 2 and parts[0] == "aten" else target
 
 
-@cost_rule("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum")
+@cost_rule(*MATMULS)
 def matmul_work(c: OpContext) -> Work:
-    flops = 2.0 * math.prod(c.sizes.values())
+    flops = 2.0 * multiply_adds("linear", c.sizes)
     moved = sum(c.in_bytes) + sum(c.out_bytes)
     return Work(flops, moved, 2 * flops, 2 * moved, matmul=True)
 
 
-@cost_rule("conv1d", "conv2d", "conv3d", "convolution")
+@cost_rule(*CONVOLUTIONS)
 def conv_work(c: OpContext) -> Work:
     # the iteration space: batch, groups, output and input channels per group, output positions,
-    # kernel offsets; an input spatial dim that a window crosses has its own label (``h0``..),
-    # which is the input's extent, not a loop of the product
-    flops = 2.0 * math.prod(v for k, v in c.sizes.items()
-                            if not (k[:1] == "h" and k[1:].isdigit()))
+    # kernel offsets (``ssdsl.ops.macs``)
+    flops = 2.0 * multiply_adds("convolution", c.sizes)
     moved = sum(c.in_bytes) + sum(c.out_bytes)
     return Work(flops, moved, 2 * flops, 2 * moved, matmul=True)
 
 
-@cost_rule("scaled_dot_product_attention")
+@cost_rule(ATTENTION)
 def sdpa_work(c: OpContext) -> Work:
     # a label may be split into pieces (``E.0``, ``E.1``: the trace factored the dim, as a
-    # rotary embedding's halves do); each of the four is the product of its pieces
-    dims: dict[str, int] = {}
-    for label, size in c.sizes.items():
-        root = label.split(".")[0]
-        dims[root] = dims.get(root, 1) * size
-    L, S, E, Ev = (dims.pop(k, 1) for k in ("L", "S", "E", "Ev"))
-    batch = math.prod(v for k, v in dims.items() if not k.startswith("m"))
-    scores = batch * L * S
+    # rotary embedding's halves do): ``ssdsl.ops.macs`` groups them
+    qk_macs, pv_macs = multiply_adds(ATTENTION, c.sizes)
+    L, S = (math.prod(v for k, v in c.sizes.items() if k.split(".")[0] == root)
+            for root in ("L", "S"))
     causal = bool(c.op.kwargs_dict.get("is_causal", c.op.args[5] if len(c.op.args) > 5
                                        else False))
     share = 0.5 if (causal and c.causal_skip) else 1.0
-    qk, pv = 2.0 * scores * E * share, 2.0 * scores * Ev * share
+    qk, pv = 2.0 * qk_macs * share, 2.0 * pv_macs * share
+    scores = qk_macs / max(1, math.prod(v for k, v in c.sizes.items()
+                                        if k.split(".")[0] == "E"))
     moved = sum(c.in_bytes) + sum(c.out_bytes)
     saved = 0.0
     if not c.flash:  # the math path writes the scores, softmaxes them, reads them for P V

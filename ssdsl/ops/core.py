@@ -171,8 +171,9 @@ class Annotation:
     ignored: frozenset[str] = frozenset()
     names: Mapping[str, str] = attrs.field(converter=MappingProxyType, factory=dict)
     words: Mapping[str, str] = attrs.field(converter=MappingProxyType, factory=dict)
-    # labels an op slides a window over (a convolution's input positions): each output position
-    # reads a few of them, so they are no dim of the op's iteration space (``op_cost``)
+    # labels of which each output element reads only a few (a convolution's or a pooling's
+    # input positions, the window sliding over them; an embedding's vocabulary, one row a
+    # token): they are no dim of the op's iteration space (``op_cost``)
     windows: frozenset[str] = frozenset()
     lower: LowerFn = attrs.field(default=keep_args, eq=False)
     # sizes() and labels(), derived once: the transform asks for them once per part (a value of

@@ -14,4 +14,7 @@ def embedding(call: Call) -> Annotation:
     return Annotation(
         (((Factor("v", w[0]),), (Factor("c", w[1]),)), plain(labels, idx)),
         ((*plain(labels, idx), (Factor("c", w[1]),)),),
-        frozen={"v": "a vocabulary split needs a masked lookup"})
+        frozen={"v": "a vocabulary split needs a masked lookup"},
+        # each output row reads one row of the table: the vocabulary is no dim of the lookup's
+        # iteration space (``op_cost``: else a token embedding weighs as much as the LM head)
+        windows=frozenset({"v"}))

@@ -30,7 +30,7 @@ def adaptive_avg_pool(call: Call) -> Annotation:
     outs = plain(lead + [f"o{k}" for k in range(n)], dst)
     frozen = {lab: "a pooling window spans neighbouring positions"
               for lab in (*pooled, *(f"o{k}" for k in range(n)))}
-    return Annotation((ins,), (outs,), frozen=frozen)
+    return Annotation((ins,), (outs,), frozen=frozen, windows=frozenset(pooled))
 
 
 @register("aten.max_pool1d.default", "aten.max_pool2d.default", "aten.max_pool3d.default",
@@ -42,7 +42,11 @@ def pool(call: Call) -> Annotation:
     outs = tuple(plain(lead + [f"o{k}" for k in range(n)], s) for s in outs_shapes)
     frozen = {lab: "a pooling window spans neighbouring positions"
               for lab in (*pooled, *(f"o{k}" for k in range(n)))}
-    return Annotation((plain(lead + pooled, src),), outs, frozen=frozen)
+    # each output position reads a window of the input's: the input positions are no dim of
+    # the iteration space (``op_cost``: else a stem's max-pool weighs as its input times its
+    # output positions, thousands of times its work)
+    return Annotation((plain(lead + pooled, src),), outs, frozen=frozen,
+                      windows=frozenset(pooled))
 
 
 @register("aten.batch_norm.default")

@@ -4,8 +4,8 @@
 
 1. ``stages ... as st`` becomes a stage number per operator: contiguous segments of the graph's
    (topological) operator order, chosen by selectors or balanced by estimated cost
-   (``op_cost``: the size of an operator's iteration space, i.e. multiply-adds for a matmul, the
-   element count for an elementwise op); among the cuts within ``STAGE_SLACK`` of the best
+   (``op_cost``: multiply-adds for a matmul, a convolution or an attention, the elements of
+   its largest tensor for any other operator); among the cuts within ``STAGE_SLACK`` of the best
    balance, those that send the fewest bytes (``cut_bytes``: between transformer blocks rather
    than inside one);
 2. ``assign st[i] to devices G`` places every part of stage i's operators, exactly as an
@@ -33,6 +33,7 @@ from ssdsl.ir.batchfree import batch_free
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.graph import Op
 from ssdsl.ops import Annotation
+from ssdsl.ops.macs import multiply_adds
 from ssdsl.schedule.lower import LowerError, Lowered, SeveralPipelines, lower_schedule
 from ssdsl.schedule.oporder import order_operators
 from ssdsl.schedule.stages import balance_stages
@@ -64,13 +65,24 @@ class BadRecompute(LowerError):
 
 
 def op_cost(t: Transformed, op: Op) -> float:
-    """Estimated work of ``op``: its iteration space (labels' product, a convolution's sliding
-    window over its input positions left out: ``Annotation.windows``), else its output size."""
+    """Estimated work of ``op``, in multiply-adds or elements touched.
+
+    A contraction (matmul, convolution, attention) costs its multiply-adds, as the cost model
+    counts them (``ssdsl.ops.macs``). Any other operator moves memory: it costs
+    the elements of its largest tensor, counting of each only the labels that every element
+    of the operator's work goes through (not ``Annotation.windows``: a pooling's input
+    positions, an embedding's vocabulary). The product of all of an operator's labels is no
+    measure here: a split, a slice, a concatenation or an index has labels of its own on each
+    side, and their product was hundreds of times its work."""
     ann = t.annotations[op.name]
-    if isinstance(ann, Annotation) and ann.sizes():
-        return float(math.prod(n for label, n in ann.sizes().items()
-                               if label not in ann.windows))
-    return float(sum(t.graph.tensors[x].numel for x in op.outputs))
+    if not (isinstance(ann, Annotation) and ann.sizes()):
+        return float(sum(t.graph.tensors[x].numel for x in op.outputs))
+    macs = multiply_adds(op.target.split(".")[1] if op.target.startswith("aten.") else
+                         op.target, ann.sizes())
+    if macs is not None:
+        return float(sum(macs) if isinstance(macs, tuple) else macs)
+    return float(max(math.prod(f.size for dim in sig for f in dim if f.label not in ann.windows)
+                     for sig in (*ann.inputs, *ann.outputs)))
 
 
 # How much more than the best balance's largest stage cost an automatic cut may give its largest
@@ -116,12 +128,33 @@ def _itemsize(dtype: str) -> int:
 
 def _balanced(t: Transformed, idx: Sequence[int], n: int, crossing: list[float] | None
               ) -> tuple[range, ...]:
-    """``balance_stages`` over the operators at (contiguous) positions ``idx``."""
+    """``balance_stages`` over the operators at (contiguous) positions ``idx``.
+
+    Every stage gets an operator with a backward where there are enough: a stage made only of
+    operators the loss differentiates nothing of (a mask or a position table computed from the
+    batch; values that need no batch cross no cut, so the least crossing favoured them) runs
+    forwards only, and the stdlib's orders, which give every stage backwards, are refused. So
+    the cut is made between atoms, each a run of such operators with the next operator that
+    has a backward. Where fewer than ``n`` operators have one (a recycling pass, detached
+    whole: ``stages into N over calls``), the cut is between operators."""
     ops = t.graph.ops
     costs = [op_cost(t, ops[i]) for i in idx]
-    if crossing is None or STAGE_SLACK <= 0:
+    cross = None if crossing is None or STAGE_SLACK <= 0 else [crossing[i] for i in idx]
+    needs = loss_grad_tensors(t.graph)
+    with_grad = [k for k, i in enumerate(idx) if any(x in needs for x in ops[i].outputs)]
+    starts = [0] + [k + 1 for k in with_grad[:-1]]
+    if len(with_grad) < n or len(starts) == len(costs):
+        return _balance(costs, n, cross)
+    bounds = starts + [len(costs)]
+    atoms = _balance([sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])], n,
+                     None if cross is None else [cross[a] for a in starts])
+    return tuple(range(bounds[r.start], bounds[r.stop]) for r in atoms)
+
+
+def _balance(costs: list[float], n: int, crossing: list[float] | None) -> tuple[range, ...]:
+    if crossing is None:
         return balance_stages(costs, n)
-    return balance_stages(costs, n, crossing=[crossing[i] for i in idx], slack=STAGE_SLACK)
+    return balance_stages(costs, n, crossing=crossing, slack=STAGE_SLACK)
 
 
 def stage_map(t: Transformed, st: Stages) -> dict[str, int]:
