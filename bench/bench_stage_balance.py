@@ -8,8 +8,9 @@ micro-batches) and times every stage's forward and backward of one micro-batch w
 model (``ssdsl.cost``, the device profile ``--device``): the cut itself is made by
 ``ssdsl.schedule.resolve.op_cost``, a cruder count, so the cost model is the judge. Prints
 JSON per case: each stage's time (ms), the largest over the mean (the pipeline runs at the
-pace of its slowest stage: 1.0 is a perfect cut), the operators per stage and the simulated
-step. For a before/after, run it with ``PYTHONPATH`` set to an earlier checkout.
+pace of its slowest stage: 1.0 is a perfect cut), the largest but one (where one stage is an
+indivisible bottleneck, how evenly the rest is spread), the operators per stage, the simulated
+step and the largest device's peak memory. For a before/after, run it with ``PYTHONPATH`` set to an earlier checkout.
 """
 
 from __future__ import annotations
@@ -91,9 +92,12 @@ def measure(path: str, stages: int, device: str) -> dict:
     times = [max(u.forward + u.backward for (d, s), u in units.items() if s == k)
              for k in range(stages)]
     ops = [sum(1 for op in graph.ops if t.stage_of[op.name] == k) for k in range(stages)]
+    report = estimate(m, opts)
     return {"stage_ms": [round(x * 1e3, 3) for x in times],
             "max_over_mean": round(max(times) / (sum(times) / len(times)), 3),
-            "ops_per_stage": ops, "step_ms": round(estimate(m, opts).step_time * 1e3, 3)}
+            "others_max_ms": round(sorted(times)[-2] * 1e3, 3) if len(times) > 1 else None,
+            "ops_per_stage": ops, "step_ms": round(report.step_time * 1e3, 3),
+            "peak_memory_gb": round(report.peak_memory / 1e9, 2)}
 
 
 def main() -> None:

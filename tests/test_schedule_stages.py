@@ -54,10 +54,18 @@ def _brute_least_crossing(costs, n, crossing, slack):
 @given(st.lists(st.tuples(st.integers(1, 20), st.integers(0, 30)), min_size=1, max_size=9),
        st.integers(1, 9), st.sampled_from([0.1, 0.25, 1.0]))
 def test_least_crossing_within_the_slack_matches_brute_force(items, n, slack):
+    """The least crossing within the slack (the rule for a heavy segment off: it trades
+    crossing for balance among the others, tested below)."""
+    from ssdsl.schedule import stages
+
     costs = [c for c, _ in items]
     crossing = [x for _, x in items]
     n = min(n, len(costs))
-    parts = balance_stages(costs, n, crossing=crossing, slack=slack)
+    heavy, stages.HEAVY = stages.HEAVY, float("inf")
+    try:
+        parts = balance_stages(costs, n, crossing=crossing, slack=slack)
+    finally:
+        stages.HEAVY = heavy
     assert len(parts) == n and all(len(r) > 0 for r in parts)
     assert [i for r in parts for i in r] == list(range(len(costs)))
     if n == 1:
@@ -65,6 +73,36 @@ def test_least_crossing_within_the_slack_matches_brute_force(items, n, slack):
     least, worst = _brute_least_crossing(costs, n, crossing, slack)
     assert sum(crossing[r.start] for r in parts[1:]) == least
     assert max(sum(costs[i] for i in r) for r in parts) == worst
+
+
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 30)), min_size=1, max_size=9),
+       st.integers(1, 9), st.sampled_from([0.0, 0.1, 0.25]))
+def test_a_heavy_segment_keeps_the_balance_within_the_slack(items, n, slack):
+    """With the rule for a heavy segment on (the others balanced among themselves), the cut is
+    still n contiguous non-empty segments whose largest is within the slack of the brute
+    force's best balance (exactly the best without crossing)."""
+    costs = [c for c, _ in items]
+    crossing = [x for _, x in items]
+    n = min(n, len(costs))
+    parts = (balance_stages(costs, n, crossing=crossing, slack=slack) if slack else
+             balance_stages(costs, n))
+    assert len(parts) == n and all(len(r) > 0 for r in parts)
+    assert [i for r in parts for i in r] == list(range(len(costs)))
+    assert max(sum(costs[i] for i in r) for r in parts) <= _brute_best(costs, n) * (1 + slack)
+
+
+def test_an_lm_head_heavier_than_blocks_leaves_the_blocks_spread_evenly():
+    """Positions and embeddings (cost ~0), 12 equal blocks, an LM head of 4.5 blocks and the
+    loss (~0), into 8 stages: the head bounds every cut, and the least crossing (every cut
+    between blocks sends the same) once gave three stages of four blocks beside near-empty
+    ones. The oracle, by hand: the head with the loss, and the 12 blocks over the other 7
+    stages, at most 2 blocks each (the fewest the 7 can hold them in)."""
+    costs = [0.0, 0.0, 0.0] + [1.0] * 12 + [4.5, 0.0]
+    crossing = [0.0, 1.0, 1.0] + [1.0] * 12 + [1.0, 50.0]
+    parts = balance_stages(costs, 8, crossing=crossing, slack=0.05)
+    sums = [sum(costs[i] for i in r) for r in parts]
+    assert parts[-1] == range(15, 17)
+    assert max(sums[:-1]) == 2.0, sums
 
 
 def test_a_convolutions_cost_is_its_multiply_adds(tmp_path):

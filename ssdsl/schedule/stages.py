@@ -41,7 +41,70 @@ def _cuts_within(costs: Sequence[float], n: int, limit: float) -> list[int] | No
 def balance_stages(costs: Sequence[float], n: int, crossing: Sequence[float] | None = None,
                    slack: float = 0.0) -> tuple[range, ...]:
     """``n`` contiguous non-empty ranges of indices into ``costs`` minimising the largest sum;
-    with ``crossing`` and ``slack`` > 0, the least crossing within that slack (module doc)."""
+    with ``crossing`` and ``slack`` > 0, the least crossing within that slack (module doc).
+
+    >>> balance_stages([0, 1, 1, 1, 1, 1, 1, 5, 0], 4)
+    (range(0, 3), range(3, 5), range(5, 7), range(7, 9))
+
+    Where the largest segment is more than ``HEAVY`` times the others' mean (an LM head that
+    outweighs several blocks), it bounds every cut and many cuts tie at its size; the least
+    crossing among them bunches the others up to its size beside near-empty segments. Then the
+    others are balanced among themselves, on each side of it (each side by this same rule),
+    keeping the largest segment as it was."""
+    ranges, least = _balance(costs, n, crossing, slack)
+    # what the largest segment may be: the best balance's, within the slack where it trades
+    # balance for crossing
+    limit = least * (1 + slack) if crossing is not None and slack > 0 else least
+    sums = [sum(costs[i] for i in r) for r in ranges]
+    worst = max(sums)
+    if n < 3 or worst <= HEAVY * (sum(costs) - worst) / (n - 1):
+        return ranges
+    # the largest segment that bounds the cut: the one holding the heaviest item if it is one
+    # of the largest, else the largest with the fewest items
+    top = max(range(len(costs)), key=costs.__getitem__)
+    heavy = min((r for r, c in zip(ranges, sums) if c == worst),
+                key=lambda r: (top not in r, len(r)))
+    a0, b0 = heavy.start, heavy.stop
+    left, right = costs[:a0], costs[b0:]
+    guess = round((n - 1) * sum(left) / max(sum(left) + sum(right), 1e-300))
+    best: tuple[float, tuple[range, ...]] | None = None
+    # each side gets its share of the n - 1 other segments; a side given none joins the
+    # largest where that keeps it within the limit (the loss's normalization after an LM head,
+    # which a segment of its own would only waste a rank on)
+    for nl in sorted({guess - 1, guess, guess + 1, 0, n - 1}):
+        nr = n - 1 - nl
+        if not (0 <= nl <= len(left) and 0 <= nr <= len(right)):
+            continue
+        middle = range(a0 if nl else 0, b0 if nr else len(costs))
+        if sum(costs[i] for i in middle) > limit * (1 + 1e-12) + 1e-12:
+            continue
+        a = balance_stages(left, nl, None if crossing is None else crossing[:a0], slack) \
+            if nl else ()
+        b = balance_stages(right, nr, None if crossing is None else crossing[b0:], slack) \
+            if nr else ()
+        rest = max([sum(left[k] for k in r) for r in a] + [sum(right[k] for k in r) for r in b],
+                   default=0.0)
+        found = (*a, middle, *(range(r.start + b0, r.stop + b0) for r in b))
+        if best is None or rest < best[0]:
+            best = (rest, found)
+    return best[1] if best is not None and best[0] < _others(sums, worst) else ranges
+
+
+def _others(sums: list[float], worst: float) -> float:
+    """The largest segment but one (the largest counted once)."""
+    rest = list(sums)
+    rest.remove(worst)
+    return max(rest, default=0.0)
+
+
+# How much heavier than the other segments' mean the largest must be for them to be balanced
+# among themselves (``balance_stages``)
+HEAVY = 1.5
+
+
+def _balance(costs: Sequence[float], n: int, crossing: Sequence[float] | None,
+             slack: float) -> tuple[tuple[range, ...], float]:
+    """The cut of the module doc, and the best balance's largest segment."""
     if not 1 <= n <= len(costs):
         raise ValueError(f"cannot cut {len(costs)} operators into {n} non-empty stages")
     # The optimum is one of the O(k^2) contiguous sums: search them in order.
@@ -64,7 +127,7 @@ def balance_stages(costs: Sequence[float], n: int, crossing: Sequence[float] | N
         assert starts is not None
         starts = _split_to(starts, len(costs), n)
     ends = starts[1:] + [len(costs)]
-    return tuple(range(a, b) for a, b in zip(starts, ends))
+    return tuple(range(a, b) for a, b in zip(starts, ends)), sums[lo]
 
 
 def _least_crossing(prefix: list[float], n: int, crossing: Sequence[float], sums: list[float],
