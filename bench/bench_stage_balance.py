@@ -40,7 +40,8 @@ MODELS = {
             idx = torch.randint(0, 50257, (batch_size, 1025), generator=g)
             return (idx[:, :-1],), idx[:, 1:]
     ''',
-    "convnext_tiny": '''
+    # timm models at 224 x 224, each under timm's name for it
+    **{key: '''
         import sys; sys.path.insert(0, {root!r})
         import torch
         BATCH_SIZE = 32
@@ -49,27 +50,13 @@ MODELS = {
             from examples.timm_vit import _stand_in_torchvision
             _stand_in_torchvision()
             import timm
-            return timm.create_model("convnext_tiny", pretrained=False)
+            return timm.create_model(%r, pretrained=False)
         def get_batch(step, batch_size):
             g = torch.Generator().manual_seed(step)
             return ((torch.randn(batch_size, 3, 224, 224, generator=g),),
                     torch.randint(0, 1000, (batch_size,), generator=g))
-    ''',
-    "vit_b16": '''
-        import sys; sys.path.insert(0, {root!r})
-        import torch
-        BATCH_SIZE = 32
-        INPUT_DIMS = (("batch", "channels", "height", "width"),)
-        def build_model():
-            from examples.timm_vit import _stand_in_torchvision
-            _stand_in_torchvision()
-            import timm
-            return timm.create_model("vit_base_patch16_224", pretrained=False)
-        def get_batch(step, batch_size):
-            g = torch.Generator().manual_seed(step)
-            return ((torch.randn(batch_size, 3, 224, 224, generator=g),),
-                    torch.randint(0, 1000, (batch_size,), generator=g))
-    ''',
+    ''' % name for key, name in (("convnext_tiny", "convnext_tiny"),
+                                  ("vit_b16", "vit_base_patch16_224"))},
 }
 DEFAULT = ("gpt2_small:4", "gpt2_small:8", "convnext_tiny:4", "vit_b16:4")
 
