@@ -36,7 +36,7 @@ import attrs
 
 from ssdsl.ir.graph import Graph, Op
 from ssdsl.ops import Annotation
-from ssdsl.ops.macs import ATTENTION, CONVOLUTIONS, MATMULS, multiply_adds
+from ssdsl.ops.macs import ATTENTION, CONVOLUTIONS, MATMULS, aten_name, multiply_adds
 from ssdsl.transform.parts import Part
 
 VIEW_KINDS = frozenset({
@@ -92,12 +92,6 @@ def cost_rule(*kinds: str) -> Callable[[Rule], Rule]:
             _RULES[k] = fn
         return fn
     return deco
-
-
-def aten_name(target: str) -> str:
-    """``aten.linear.default`` -> ``linear``."""
-    parts = target.split(".")
-    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else target
 
 
 @cost_rule(*MATMULS)

@@ -24,6 +24,12 @@ CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "convolution"})
 ATTENTION = "scaled_dot_product_attention"
 
 
+def aten_name(target: str) -> str:
+    """``aten.linear.default`` -> ``linear``."""
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else target
+
+
 def multiply_adds(kind: str, sizes: Mapping[str, int]) -> float | tuple[float, float] | None:
     """The multiply-adds of an operator of ATen name ``kind`` (``"linear"``) over label
     ``sizes``: a float for a matmul or a convolution, ``(Q K^T, P V)`` for an attention, None

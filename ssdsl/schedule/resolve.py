@@ -33,7 +33,7 @@ from ssdsl.ir.batchfree import batch_free
 from ssdsl.ir.grad import loss_grad_tensors
 from ssdsl.ir.graph import Op
 from ssdsl.ops import Annotation
-from ssdsl.ops.macs import multiply_adds
+from ssdsl.ops.macs import aten_name, multiply_adds
 from ssdsl.schedule.lower import LowerError, Lowered, SeveralPipelines, lower_schedule
 from ssdsl.schedule.oporder import order_operators
 from ssdsl.schedule.stages import balance_stages
@@ -77,8 +77,7 @@ def op_cost(t: Transformed, op: Op) -> float:
     ann = t.annotations[op.name]
     if not (isinstance(ann, Annotation) and ann.sizes()):
         return float(sum(t.graph.tensors[x].numel for x in op.outputs))
-    macs = multiply_adds(op.target.split(".")[1] if op.target.startswith("aten.") else
-                         op.target, ann.sizes())
+    macs = multiply_adds(aten_name(op.target), ann.sizes())
     if macs is not None:
         return float(sum(macs) if isinstance(macs, tuple) else macs)
     return float(max(math.prod(f.size for dim in sig for f in dim if f.label not in ann.windows)
