@@ -41,3 +41,38 @@ def test_a_source_read_for_its_dtype_is_not_a_splittable_dim():
     ann = annotate(graph, op)
     assert ann.splittable() == []
     assert {lab.mark for lab in ann.labels().values()} <= {"ignored", "frozen"}
+
+
+CAST_LIKE = str(Path(__file__).resolve().parent / "models" / "cast_like.py")
+
+
+@pytest.mark.parametrize("plan, params, world", [
+    ("dp", (), 2),
+    ("1f1b", (("microbatches", "2"),), 2),
+])
+def test_casts_like_tensors_of_other_shapes_train_like_the_plain_model(plan, params, world):
+    """``type_as`` / ``.to(other)`` of an ``other`` whose shape is not the output's (a 0-dim
+    scale cast like a (seq, seq) table, a (1, width) bias like the hidden states): traced (the
+    broadcast rule once raised IndexError on it) and trained like the plain model."""
+    v = verify_before_launch(JobSpec(CAST_LIKE, plan, params), world)
+    assert v.verified and v.dtype == "float64", v
+    assert abs(v.loss - v.reference_loss) <= 1e-12 * abs(v.reference_loss)
+    assert v.max_grad_error < 1e-12
+
+
+def test_the_tensor_cast_like_is_read_for_its_dtype_only():
+    """The dims of ``other`` in ``x.type_as(other)`` are ignored (any piece of them gives the same
+    output) where they are not the output's own: here its rank differs from the output's."""
+    from ssdsl.ops import annotate
+    from ssdsl.trace import trace
+    from ssdsl.trace.model_file import load_model_file
+
+    graph = trace(load_model_file(CAST_LIKE), device="meta")
+    casts = [o for o in graph.ops if o.target == "aten.type_as.default"]
+    assert len(casts) == 2
+    anns = {tuple(graph.tensors[o.inputs[1]].shape): annotate(graph, o) for o in casts}
+    scale, bias = anns[(6, 6)], anns[(8, 6, 8)]  # a 0-dim scale; the (1, 8) bias
+    for ann, rank in ((scale, 2), (bias, 3)):
+        other = {f.label for d in ann.inputs[1] for f in d}
+        assert len(other) == rank and other == set(ann.ignored)
+        assert not other & {f.label for d in ann.outputs[0] for f in d}

@@ -3,7 +3,7 @@ is spatial; an input dim broadcast from size 1 is read whole by every part."""
 
 from __future__ import annotations
 
-from ssdsl.ops.build import broadcast
+from ssdsl.ops.build import broadcast, dims, plain
 from ssdsl.ops.core import Annotation, Call, register
 
 UNARY = [
@@ -25,7 +25,7 @@ _targets = (
                                     "ge", "rsub", "remainder", "fmod"]]
     + ["aten.__and__.Tensor", "aten.__or__.Tensor", "aten.__and__.Scalar", "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.pow.Scalar", "aten.rsub.Tensor",
        "aten.div.Tensor_mode", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device",
-       "aten.to.other", "aten.type_as.default", "aten.where.self", "aten.where.ScalarSelf",
+       "aten.where.self", "aten.where.ScalarSelf",
        "aten.where.ScalarOther", "aten.masked_fill.Scalar", "aten.masked_fill.Tensor",
        "aten.clamp.Tensor", "aten.lerp.Scalar", "aten.lerp.Tensor", "aten.addcmul.default",
        "aten.addcdiv.default", "aten.gelu.default", "aten.fill.Scalar", "aten.zeros_like.default",
@@ -53,6 +53,23 @@ def elementwise(call: Call) -> Annotation:
     (out,) = call.out_shapes
     ins, sig = broadcast(call.in_shapes, out)
     return Annotation(ins, (sig,))
+
+
+@register("aten.type_as.default", "aten.to.other")
+def cast_like(call: Call) -> Annotation:
+    """``x.type_as(y)``, ``x.to(y)``: ``x`` cast to ``y``'s dtype and device, elementwise in
+    ``x``; ``y`` is read for its dtype and device only, and may have any shape (DeBERTa-v2 casts
+    a 0-dim scale ``type_as`` its (seq, seq) position table). A dim of ``y`` at an output dim's
+    position and of its size shares its label (split alike); any other dim of ``y`` is ignored:
+    every piece of it gives the same output."""
+    (out,) = call.out_shapes
+    (x_sig,), sig = broadcast(call.in_shapes[:1], out)
+    other = call.in_shapes[1]
+    labels = dims(len(out))
+    aligned = len(other) == len(out)
+    y_labels = [labels[k] if aligned and s == out[k] else f"x{k}" for k, s in enumerate(other)]
+    ignored = frozenset(lab for lab in y_labels if lab.startswith("x"))
+    return Annotation((x_sig, plain(y_labels, other)), (sig,), ignored=ignored)
 
 
 @register("aten.scalar_tensor.default")
