@@ -76,3 +76,31 @@ def test_the_tensor_cast_like_is_read_for_its_dtype_only():
         other = {f.label for d in ann.inputs[1] for f in d}
         assert len(other) == rank and other == set(ann.ignored)
         assert not other & {f.label for d in ann.outputs[0] for f in d}
+
+
+def test_a_rule_that_fails_on_unforeseen_shapes_replicates_its_operator(monkeypatch):
+    """An annotation rule that raises on shapes it did not foresee (as the broadcast rule did on
+    ``type_as``) leaves its operator without annotation, with the target and shapes in the
+    reason: data parallelism still trains like the plain model (the operator is replicated), and
+    micro-batching it is refused at the plan's line, not with a traceback."""
+    from ssdsl.errors import SsdslError
+    from ssdsl.ops import NotAnnotated, annotate
+    from ssdsl.ops import core
+    from ssdsl.trace import trace
+    from ssdsl.trace.model_file import load_model_file
+
+    def unforeseen(call):
+        raise IndexError("list index out of range")
+
+    monkeypatch.setitem(core._RULES, "aten.type_as.default", unforeseen)
+    graph = trace(load_model_file(CAST_LIKE), device="meta")
+    op = next(o for o in graph.ops if o.target == "aten.type_as.default")
+    ann = annotate(graph, op)
+    assert isinstance(ann, NotAnnotated)
+    assert "aten.type_as.default" in ann.reason and "IndexError" in ann.reason
+    v = verify_before_launch(JobSpec(CAST_LIKE, "dp", ()), 2)
+    assert v.verified and v.dtype == "float64", v
+    assert abs(v.loss - v.reference_loss) <= 1e-12 * abs(v.reference_loss)
+    with pytest.raises(SsdslError) as info:
+        verify_before_launch(JobSpec(CAST_LIKE, "1f1b", (("microbatches", "2"),)), 2)
+    assert info.value.span is not None and info.value.span.file.endswith("1f1b.ssp")

@@ -517,6 +517,12 @@ def annotate_call(call: Call) -> Annotation | NotAnnotated:
         return rule(call)
     except Unsplittable as exc:
         return NotAnnotated(str(exc))
+    except Exception as exc:  # noqa: BLE001 - a rule that did not foresee these shapes
+        # an ssdsl gap, not the user's fault: the operator is replicated like one without a
+        # rule, and a plan that partitions it is refused at its line, with this reason
+        return NotAnnotated(f"ssdsl's rule for {target} does not cover inputs of shapes "
+                            f"{', '.join(str(tuple(s)) for s in call.in_shapes) or 'none'} "
+                            f"({type(exc).__name__}: {exc}; please report it)")
 
 
 def require(ann: Annotation | NotAnnotated, op: Op) -> Annotation:
