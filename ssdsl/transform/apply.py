@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Sequence
 
 import attrs
@@ -10,7 +11,9 @@ import attrs
 from ssdsl.elaborate.directives import Assign, Partition, Replicate, StageRef
 from ssdsl.errors import ErrorCollector, SsdslError
 from ssdsl.ir.graph import Graph
-from ssdsl.ops import Annotation, NotAnnotated, NotAnnotatedError, annotate, call_of, require
+from ssdsl.ops import (
+    Annotation, FrozenDimError, NotAnnotated, NotAnnotatedError, annotate, call_of, require,
+)
 from ssdsl.source import Span
 from ssdsl.transform.errors import (
     BadDevice, EmptySelection, MissingDim, PartCountMismatch,
@@ -95,7 +98,12 @@ class _Builder:
                 lacking.append(name)
                 self._replicate_op(name, prefix, d.parts, d.span)
             else:
-                self._split_op(name, prefix, chosen[name], d.parts, d.span)
+                try:
+                    self._split_op(name, prefix, chosen[name], d.parts, d.span)
+                except FrozenDimError as err:
+                    if len(names) > 1:
+                        err.hint = _leave_out_hint(d, self.graph.op(name).kind)
+                    raise
         if lacking:
             self.notes.append(f"{d.span}: {len(lacking)} operator(s) without dim '{d.dim}' "
                               f"replicated into {d.parts} (e.g. '{lacking[0]}')")
@@ -392,6 +400,20 @@ def merge_same_cause(errors: list[SsdslError]) -> list[SsdslError]:
     first.hint = (f"{first.hint}; lines {lines} fail the same way, so the count of {first.parts}"
                   " (often the number of devices, --world) is the likelier thing to change")
     return [first] + [e for e in errors if e not in same]
+
+
+def _leave_out_hint(d: Partition, kind: str) -> str:
+    """How to keep a selection's split when one kind of operator in it cannot be split so: leave
+    that kind out and replicate it. A replicated operator reads its inputs whole, so the result
+    stays exact (a batch norm then takes its statistics over the whole batch, as a synchronized
+    batch norm does), at the cost of gathering them."""
+    sel = str(d.selector)
+    if not re.fullmatch(r"[\w.\[\]*]+", sel):
+        sel = f"({sel})"
+    return (f"leave the {kind} operators out and replicate them (a replicated operator reads its "
+            f"inputs whole, so it stays exact, at the cost of gathering them): `partition {sel} "
+            f"except kind({kind}) along {d.dim} into {d.parts}`, then `replicate kind({kind}) "
+            f"into {d.parts}`; or split another dimension")
 
 
 def _at(err: SsdslError, span: Span) -> SsdslError:
