@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -170,6 +171,16 @@ def pipeline_plan(kind: str, nproc: int, layers: int, microbatches: int) -> str:
     return (f"plan bench_{kind}(stages: int = {nproc}, microbatches: int = {microbatches})\n"
             "microbatch along batch into microbatches\n"
             f"stages {starts} as st\n" + textwrap.dedent(_orders(kind)).lstrip())
+
+
+def stdlib_pipeline_plan(kind: str, microbatches: int) -> str:
+    """The stdlib plan of ``kind`` as a user runs it (automatic, cost-balanced stages), with
+    ``microbatches`` as its default."""
+    name = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved_1f1b"}[kind]
+    text = (ROOT / "stdlib_plans" / f"{name}.ssp").read_text()
+    head, rest = text.split("\n", 1)
+    head = re.sub(r"microbatches: int = [^,)]+", f"microbatches: int = {microbatches}", head)
+    return head + "\n" + rest
 
 
 # -- workers: one rank each; every one returns (step times, losses) ------------------------------

