@@ -140,3 +140,22 @@ def test_a_misspelt_dim_gets_the_nearest_name(tmp_path) -> None:
     assert hint_for("outt").startswith("did you mean 'out'?")
     assert hint_for("sequ").startswith("did you mean 'seq'?")
     assert "did you mean" not in hint_for("hiden")
+
+
+def test_an_assign_of_parts_a_failed_split_would_have_made_adds_no_error(tmp_path) -> None:
+    """`partition all along time` fails (no operator has that dim); the `assign each part i`
+    after it names parts that split would have made, and reports nothing of its own (it used to
+    add one error per part, each repeating the first). An assign's own fault still shows."""
+    path = BAD / "dim_missing_then_parts.ssp"
+    graph = graph_of(EXAMPLES / "gpt.py")
+    with pytest.raises(SsdslError) as info:
+        schedule_plan(graph, elaborate_file(path, world=2))
+    assert not isinstance(info.value, ErrorGroup), info.value.render()
+    assert type(info.value).__name__ == "MissingDim"
+    shifted = tmp_path / "shifted.ssp"
+    shifted.write_text(path.read_text().replace("assign each part i to device i",
+                                                "assign each part i to device i + 1"))
+    with pytest.raises(SsdslError) as info:
+        schedule_plan(graph, elaborate_file(shifted, world=2))
+    errors = info.value.errors if isinstance(info.value, ErrorGroup) else [info.value]
+    assert any("device 2" in e.message for e in errors), [e.message for e in errors]

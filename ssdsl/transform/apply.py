@@ -16,7 +16,7 @@ from ssdsl.ops import (
 )
 from ssdsl.source import Span
 from ssdsl.transform.errors import (
-    BadDevice, EmptySelection, MissingDim, PartCountMismatch,
+    BadDevice, MissingDim, NoSuchParts, PartCountMismatch,
     PartReassigned, UnplacedPart,
 )
 from ssdsl.transform.normalize import normalize_losses
@@ -334,7 +334,7 @@ class _Builder:
                                 if p.index in devices else p for p in self.parts[name]]
             placed += len(chosen)
         if not placed:
-            raise EmptySelection(f"'{d.selector}' selects operators but none of their parts has "
+            raise NoSuchParts(f"'{d.selector}' selects operators but none of their parts has "
                                  f"index {prefix}", d.span, hint="a partition or replicate into N "
                                  "makes the parts 0 to N - 1")
 
@@ -435,6 +435,7 @@ def apply_directives(graph: Graph, directives: Sequence, *, world: int,
     b = _Builder(normalize_losses(graph), world)
     errors = ErrorCollector()
     deferred = []
+    split_failed = False
     for d in directives:
         if isinstance(d, Assign) and isinstance(part_prefix(d.selector)[1], StageRef):
             deferred.append(d)
@@ -443,8 +444,16 @@ def apply_directives(graph: Graph, directives: Sequence, *, world: int,
         if handler is None:
             deferred.append(d)
             continue
+        before = len(errors.errors)
         with errors.catch():
             handler(d)
+        if isinstance(d, (Partition, Replicate)) and len(errors.errors) > before:
+            split_failed = True
+        elif split_failed and errors.errors[before:] and all(
+                isinstance(e, NoSuchParts) for e in errors.errors[before:]):
+            # the parts this assign names were to come from a partition or replicate already
+            # reported: its error would only repeat that one
+            del errors.errors[before:]
     errors.errors = merge_same_cause(errors.errors)
     errors.raise_if_any()
     result = b.result(tuple(deferred))

@@ -13,6 +13,10 @@ class EmptySelection(TransformError):
     """A selector matched no operator of the graph."""
 
 
+class NoSuchParts(EmptySelection):
+    """``part i of X`` (an ``assign each part i``): X's operators have no part of that index."""
+
+
 class MissingDim(TransformError):
     """No selected operator has the dimension a partition asks for."""
 

@@ -93,6 +93,12 @@ def _match_one(seg, name: str) -> bool:
 
 
 def _suggest(graph: Graph, sel: Selector) -> str:
+    if isinstance(sel, (Union, Intersect, Except)):
+        # a compound selector: a suggestion for each of its paths and kinds that matches nothing
+        # on its own (a misspelt path on both sides of an ``except``), each named
+        empty = [s for s in _atoms(sel) if not _ops(graph, s, None)]
+        hints = [f"'{s}'{_suggest(graph, s) or ' matches no operator'}" for s in empty]
+        return f": {'; '.join(hints)}" if hints else ""
     if not isinstance(sel, (Path, Kind)):
         return ""
     kinds = {op.kind for op in graph.ops}
@@ -108,6 +114,13 @@ def _suggest(graph: Graph, sel: Selector) -> str:
         words = [str(sel)]
     close = [m for w in words for m in difflib.get_close_matches(w, pool, n=3, cutoff=0.5)]
     return f" (did you mean {', '.join(repr(c) for c in dict.fromkeys(close))}?)" if close else ""
+
+
+def _atoms(sel: Selector) -> list[Selector]:
+    """The paths and kinds a compound selector is made of, left to right, once each."""
+    if isinstance(sel, (Union, Intersect, Except)):
+        return list(dict.fromkeys([*_atoms(sel.left), *_atoms(sel.right)]))
+    return [sel] if isinstance(sel, (Path, Kind)) else []
 
 
 def _repair_path(graph: Graph, sel: Path) -> Path | None:
