@@ -166,8 +166,10 @@ def test_efficientnet_batch_norm_is_refused_where_the_batch_is_split(capsys, pla
     assert code == 2
     assert "Traceback" not in err
     assert line in err and "batch normalization" in err and "\nhint: " in err
-    if plan == ["dp"]:  # the hint gives the statements that keep data parallelism, exact
-        # (``BN_PLANS["dp"]``, which test_batch_norm_keeps_its_running_statistics trains)
+    if plan == ["dp"]:
+        # named by the plan's word; the hint gives the statements that keep data parallelism,
+        # exact (``BN_PLANS["dp"]``, which test_batch_norm_keeps_its_running_statistics trains)
+        assert "dimension 'batch' ('d0') of operator 'batch_norm'" in err
         assert ("`partition all except kind(batch_norm) along batch into 2`, then "
                 "`replicate kind(batch_norm) into 2`") in err
 

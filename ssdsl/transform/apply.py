@@ -101,6 +101,10 @@ class _Builder:
                 try:
                     self._split_op(name, prefix, chosen[name], d.parts, d.span)
                 except FrozenDimError as err:
+                    label = chosen[name]
+                    if label != d.dim:  # the plan's word first, the operator's own label after
+                        err.message = err.message.replace(
+                            f"dimension '{label}' ", f"dimension '{d.dim}' ('{label}') ", 1)
                     if len(names) > 1:
                         err.hint = _leave_out_hint(d, self.graph.op(name).kind)
                     raise
