@@ -29,6 +29,27 @@ def test_window_and_alibi_train_like_the_plain_model(plan, params, world):
     assert v.max_grad_error < 1e-12
 
 
+DP_MICROBATCHES = """plan dp_mb(dp: int = world, microbatches: int = 2)
+partition all along batch into dp
+use one_f_one_b(stages=1, microbatches=microbatches, width=dp)
+"""
+
+
+@pytest.mark.parametrize("world, microbatches", [(2, 2), (2, 4), (4, 2)])
+def test_data_parallel_micro_batches_train_like_the_plain_model(tmp_path, world, microbatches):
+    """Data parallelism and micro-batches together (dp_tp_1f1b's dp x pp): the mask's
+    ``positions.new_ones(())``, replicated by the data split because it reads the batch for its
+    dtype only, once was cut into micro-batches over the whole batch, unlike every other
+    operator, and the plan was refused ("micro-batch 1 differs from micro-batch 0")."""
+    plan = tmp_path / "dp_mb.ssp"
+    plan.write_text(DP_MICROBATCHES)
+    v = verify_before_launch(JobSpec(MODEL, str(plan), (("microbatches", str(microbatches)),)),
+                             world)
+    assert v.verified and v.dtype == "float64", v
+    assert abs(v.loss - v.reference_loss) <= 1e-12 * abs(v.reference_loss)
+    assert v.max_grad_error < 1e-12
+
+
 def test_a_source_read_for_its_dtype_is_not_a_splittable_dim():
     """``ssdsl trace`` does not offer the source's dims of ``new_ones`` as splittable, and
     partitioning that one operator alone along its source's batch is refused, located."""

@@ -58,9 +58,9 @@ def split_microbatches(t: Transformed, d: Microbatch) -> Transformed:
     if fast is not None:
         local0, boxes = fast
         return _result(t, d, local0, boxes)
-    per_mb = _split(t, d)
-    boxes = [_boxes(t, mb) for mb in per_mb]
-    local = [_localize(t, mb, bx) for mb, bx in zip(per_mb, boxes)]
+    per_mb, dtype_reads = _split(t, d)
+    boxes = [_boxes(t, mb, dtype_reads) for mb in per_mb]
+    local = [_localize(t, mb, bx, dtype_reads) for mb, bx in zip(per_mb, boxes)]
     for k in range(1, d.count):
         _check_same(local[0], local[k], k, d)
         if _sizes(boxes[k]) != _sizes(boxes[0]):
@@ -95,6 +95,8 @@ def _by_shift(t: Transformed, d: Microbatch
     found = False
     for op in t.graph.ops:
         label = b._label(op.name, d.dim) or b._follow(op.name, flowing)
+        if label is not None and _dtype_slots(t, op.name, label):
+            return None  # a batch read for its dtype only: the general path places it
         if label is not None:
             found = True
             b._record(op.name, label, flowing)
@@ -204,15 +206,29 @@ def _strides(sig, label: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _split(t: Transformed, d: Microbatch) -> list[dict[str, list[Part]]]:
-    """The parts of each micro-batch, in full coordinates."""
+def _split(t: Transformed, d: Microbatch
+           ) -> tuple[list[dict[str, list[Part]]], dict[str, frozenset[int]]]:
+    """The parts of each micro-batch, in full coordinates; and the operators that read the
+    batch for its dtype only, with those inputs' slots (``_dtype_slots``)."""
     b = _Builder(t.graph, t.world, start=t)
     consumed = {name for op in t.graph.ops for name in op.inputs}
     flowing: dict[str, int] = {}
     out: list[dict[str, list[Part]]] = [{} for _ in range(d.count)]
+    dtype_reads: dict[str, frozenset[int]] = {}
     found = False
     for op in t.graph.ops:
         label = b._label(op.name, d.dim) or b._follow(op.name, flowing)
+        slots = _dtype_slots(t, op.name, label) if label is not None else frozenset()
+        if slots:
+            # ``x.new_ones(())``, ``y.type_as(x)``: any piece of ``x`` gives the same result, so
+            # every micro-batch runs the part as it is and reads its own share of ``x``
+            # (``_localize``); splitting the part's rows instead (the whole batch where data
+            # parallelism replicated it) would give micro-batches reads at different places
+            dtype_reads[op.name] = slots
+            for part in t.parts[op.name]:
+                for k in range(d.count):
+                    out[k].setdefault(op.name, []).append(part)
+            continue
         if label is not None:
             found = True
             b._record(op.name, label, flowing)
@@ -240,7 +256,17 @@ def _split(t: Transformed, d: Microbatch) -> list[dict[str, list[Part]]]:
     if not found:
         raise MissingDim(f"no operator has a dim '{d.dim}' to split into micro-batches", d.span,
                          hint="`ssdsl trace MODEL` shows the flowing dims (usually 'batch')")
-    return out
+    return out, dtype_reads
+
+
+def _dtype_slots(t: Transformed, op: str, label: str) -> frozenset[int]:
+    """The input slots of ``op`` in which ``label`` is read for its dtype and device only (an
+    ``ignored`` label, in no output), when that is where ``label`` appears; else none."""
+    ann = t.annotations[op]
+    if not isinstance(ann, Annotation) or ann.labels()[label].mark != "ignored":
+        return frozenset()
+    return frozenset(i for i, sig in enumerate(ann.inputs)
+                     if any(f.label == label for dim in sig for f in dim))
 
 
 def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Microbatch,
@@ -282,23 +308,27 @@ def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Micro
                  part.assigned_at) for key, sub in zip(keys, subs)]
 
 
-def _regions(t: Transformed, parts: dict[str, list[Part]]):
+def _regions(t: Transformed, parts: dict[str, list[Part]],
+             skip: dict[str, frozenset[int]] | None = None):
     """Every (tensor, intervals) that a part of one micro-batch reads or writes (a sub-operator
-    shared by several parts once: the boxes are unions)."""
+    shared by several parts once: the boxes are unions), but the reads in ``skip``'s slots."""
+    skip = skip or {}
     for op in t.graph.ops:
         seen: set[int] = set()  # ids of subs alive in ``parts`` for the whole loop
+        skipped = skip.get(op.name, frozenset())
         for p in parts[op.name]:
             if id(p.sub) in seen:
                 continue
             seen.add(id(p.sub))
-            for name, ivs in zip(op.inputs, p.sub.inputs):
-                if ivs is not None:
+            for slot, (name, ivs) in enumerate(zip(op.inputs, p.sub.inputs)):
+                if ivs is not None and slot not in skipped:
                     yield name, ivs
             for name, ivs in zip(op.outputs, p.sub.outputs):
                 yield name, ivs
 
 
-def _boxes(t: Transformed, parts: dict[str, list[Part]]) -> dict[str, Box]:
+def _boxes(t: Transformed, parts: dict[str, list[Part]],
+           dtype_reads: dict[str, frozenset[int]] | None = None) -> dict[str, Box]:
     """Per tensor and dim, the union of the intervals one micro-batch's parts touch.
 
     Local coordinates number the positions of that union in order: with dp x micro-batches,
@@ -309,7 +339,14 @@ def _boxes(t: Transformed, parts: dict[str, list[Part]]) -> dict[str, Box]:
     # (alive in ``parts`` for the whole loop), so telling them by id is cheaper than hashing
     # them, and a copy that slips through adds nothing to the union
     done: set = set()
-    for name, ivs in _regions(t, parts):
+    regions = list(_regions(t, parts, dtype_reads))
+    # a tensor read for its dtype alone, and by nothing else here: the read as it is
+    touched = {name for name, _ in regions}
+    for op, slots in (dtype_reads or {}).items():
+        names = t.graph.op(op).inputs
+        regions += [(names[s], ivs) for p in parts[op] for s, ivs in enumerate(p.sub.inputs)
+                    if s in slots and ivs is not None and names[s] not in touched]
+    for name, ivs in regions:
         if (name, id(ivs)) in done:
             continue
         done.add((name, id(ivs)))
@@ -349,9 +386,11 @@ def _to_local(ivs, union) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _localize(t: Transformed, parts: dict[str, list[Part]], boxes: dict[str, Box]
-              ) -> dict[str, list[Part]]:
-    """Each part's regions shifted to the micro-batch's box (local coordinates)."""
+def _localize(t: Transformed, parts: dict[str, list[Part]], boxes: dict[str, Box],
+              dtype_reads: dict[str, frozenset[int]] | None = None) -> dict[str, list[Part]]:
+    """Each part's regions shifted to the micro-batch's box (local coordinates); an input read
+    for its dtype only (``dtype_reads``) reads the whole box: the micro-batch's own share."""
+    dtype_reads = dtype_reads or {}
     out = {}
     shifted: dict = {}  # (tensor, region) -> local region: many parts read the same region
     per_dim: dict = {}  # (id(union), intervals) -> local intervals: fewer still differ per dim
@@ -377,8 +416,11 @@ def _localize(t: Transformed, parts: dict[str, list[Part]], boxes: dict[str, Box
             sub = p.sub
             done = by_sub.get(id(sub))
             if done is None or done[0] is not sub:
-                ins = tuple(None if ivs is None else shift(n, ivs)
-                            for n, ivs in zip(op.inputs, sub.inputs))
+                whole = dtype_reads.get(op.name, frozenset())
+                ins = tuple(None if ivs is None else
+                            tuple(((0, sum(b - a for a, b in d)),) for d in boxes[n])
+                            if slot in whole else shift(n, ivs)
+                            for slot, (n, ivs) in enumerate(zip(op.inputs, sub.inputs)))
                 outs = tuple(shift(n, ivs) for n, ivs in zip(op.outputs, sub.outputs))
                 done = by_sub[id(sub)] = (sub, SubOp(ins, outs, sub.value, sub.local))
             local.append(Part(p.op, p.index, p.replica, p.ranges, done[1], p.device, p.span,
