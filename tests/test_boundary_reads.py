@@ -139,3 +139,33 @@ def test_deduplicated_pipeline_trains_like_one_device_on_two_ranks(tmp_path):
         assert rank_losses == pytest.approx(losses, rel=1e-10)
         for name, w in model.state_dict().items():
             assert (state[name].to(torch.float64) - w).norm() <= 1e-10 * max(1.0, float(w.norm()))
+
+
+TP_PP = """plan tp_pp(stages: int = 2, microbatches: int = 2, width: int = 2)
+mesh m = grid(pp=2, dp=1, tp=2)
+use megatron_tp(tp=2, blocks="lm.model.layers.*", attn="self_attn", attn_out="self_attn.o_proj", mlp="mlp", mlp_out="mlp.down_proj", placed=false)
+microbatch along batch into microbatches
+stages lm.model.embed_tokens, {cut} as st
+"""
+
+
+@pytest.mark.parametrize("cut", ["lm.model.layers.1.self_attn.k_proj", "lm.model.layers.1.mlp",
+                                 "lm.model.layers.1"])
+def test_tensor_parallel_readers_across_a_stage_cut_train_like_one_device(cut, tmp_path):
+    """A pipeline cut inside a tensor-parallel block (automatic stages cut LLaMA between its q
+    and its k, v projections, or before the gate and up projections): two column-parallel
+    readers on the later stage of one value from the earlier one, whose input gradients are
+    partial sums. The boundary identity (one message for both) once took them, and the two
+    readers' gradients reached it as two sums of which one was lost: wrong gradients on every
+    earlier stage. The oracle is the plain model, one step simulated in float64."""
+    from ssdsl.resources import stdlib_dir
+    body = (stdlib_dir() / "1f1b.ssp").read_text()
+    plan = tmp_path / "tp_pp.ssp"
+    plan.write_text(TP_PP.format(cut=cut) + body[body.index("for s in 0..stages:"):])
+    mf = load_model_file(str(ROOT / "examples" / "hf_llama.py"))
+    graph = trace(mf, device="cpu", model=mf.build(seed=0).to(torch.float64))
+    t, lowered = schedule_plan(graph, elaborate_file(str(plan), world=4))
+    m = materialize(t, dtype=torch.float64, schedule=lowered)
+    check_programs(lower_plan(m).programs, m=m)
+    problems, _, _ = compare_with_model(m, mf, simulate_plan(m, mf))
+    assert not problems, problems

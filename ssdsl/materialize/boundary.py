@@ -19,6 +19,13 @@ computes the same gradient value part (``Transformed.grad_value_part``): then th
 parts, copies of the first consumer's part indices, compute that same value part, and the sum
 autograd takes on a device is that device's gradient of the region. A group that does not qualify
 keeps its edges (correct, only more messages).
+
+Consumers whose input gradients are partial sums do not qualify: tensor-parallel readers on the
+later stage of a cut inside a block (LLaMA's k and v projections after a cut behind q, the gate
+and up projections after one behind the attention). Each of their edges sums its own partials
+(an all-reduce over the tensor-parallel group) into the identity's gradient, and two sums
+delivered into one gradient kept only one of them: every earlier stage trained on wrong
+gradients, which verification before launch refused.
 """
 
 from __future__ import annotations
@@ -69,7 +76,10 @@ def _alike(t: Transformed, slots: list[Slot]) -> dict[int, Part] | None:
             region = p.sub.inputs[slot]
             if region is None or p.device is None or p.device in here:
                 return None
-            here[p.device] = (region, t.grad_value_part(p, slot))
+            value_part = t.grad_value_part(p, slot)
+            if value_part[1] > 1:  # a partial sum (tensor-parallel readers): module doc
+                return None
+            here[p.device] = (region, value_part)
             first.setdefault(p.device, p)
         if seen and here != seen:
             return None
