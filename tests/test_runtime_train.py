@@ -89,6 +89,29 @@ def test_optimizer_spec_takes_the_model_files_learning_rate(mf, tmp_path):
         OptimizerSpec("lamb")
 
 
+def test_lr_sets_the_rate_of_the_model_files_own_optimizer(mf):
+    """``--lr`` with ``--optimizer model`` (the default) is the rate of every group of the model
+    file's optimizer, its other settings kept (it was ignored without a word). Oracle: the same
+    Adam made by hand with that rate, trained alongside on the same batches."""
+    own = build_optimizer(OptimizerSpec("model", lr=0.2), mf, [torch.nn.Parameter(torch.ones(2))])
+    assert type(own) is torch.optim.Adam
+    assert own.param_groups[0]["lr"] == 0.2 and own.param_groups[0]["betas"] == (0.8, 0.9)
+    record = run_reference(mf, steps=3, dtype=torch.float64, optimizer=OptimizerSpec("model", 0.2))
+    model = mf.build(seed=0).to(torch.float64)
+    opt = torch.optim.Adam(model.parameters(), lr=0.2, betas=(0.8, 0.9))
+    losses = []
+    for step in range(3):
+        inputs, y = mf.get_batch(step, 8)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(*(x.double() for x in inputs)), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert record.losses == pytest.approx(losses, rel=1e-12)
+    default = run_reference(mf, steps=3, dtype=torch.float64, optimizer=OptimizerSpec("model"))
+    assert default.losses[2] != pytest.approx(losses[2], rel=1e-6)  # the rate made a difference
+
+
 @pytest.mark.parametrize("kind", ["model", "sgd", "adamw"])
 def test_optimizer_on_shards_equals_the_whole_tensor_update(mf, kind):
     torch.manual_seed(0)

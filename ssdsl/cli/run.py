@@ -42,8 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="the model file's make_optimizer, plain SGD or AdamW "
                      "(default: %(default)s)")
     job.add_argument("--lr", type=float, default=None,
-                     help="learning rate for --optimizer sgd|adamw (default: the model file's; for "
-                     "adamw only when that optimizer is Adam-like, else AdamW's default)")
+                     help="learning rate: of every parameter group of the model file's optimizer, "
+                     "or of --optimizer sgd|adamw (default: the model file's; for adamw only when "
+                     "that optimizer is Adam-like, else AdamW's default)")
     job.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                      help="end the whole job after this long (default: %(default)g)")
     job.add_argument("--compiled", metavar="DIR", default=None,

@@ -47,7 +47,9 @@ class OptimizerSpec:
 
     ``kind``: ``"model"`` (the model file's ``make_optimizer``, SGD(lr=0.01) when it has none),
     ``"sgd"`` (plain SGD: no momentum, no weight decay), or ``"adamw"`` (torch defaults).
-    ``lr``: for sgd/adamw; ``None`` takes the learning rate of the model file's optimizer, so that
+    ``lr``: with ``"model"``, the rate of every parameter group of the model file's optimizer
+    (``None``: as it makes them); for sgd/adamw, ``None`` takes the learning rate of the model
+    file's optimizer, so that
     ``--optimizer sgd`` checks the same model with the same step size; for adamw only when that
     optimizer is of Adam's kind (its step is in parameter units, SGD's in gradient units: an SGD
     rate of 0.3 would move every weight by about 0.3 a step), else AdamW's own default.
@@ -75,7 +77,14 @@ def build_optimizer(spec: OptimizerSpec, model_file: ModelFile,
         # alone): one empty tensor, which every torch optimizer takes and whose step is nothing
         params = [torch.nn.Parameter(torch.zeros(0))]
     if spec.kind == "model":
-        return model_file.make_optimizer(params)
+        opt = model_file.make_optimizer(params)
+        if spec.lr is not None:  # ``--lr`` with the model's own optimizer: every group's rate
+            for group in opt.param_groups:
+                if isinstance(group.get("lr"), torch.Tensor):
+                    group["lr"].fill_(spec.lr)
+                else:
+                    group["lr"] = spec.lr
+        return opt
     cls = torch.optim.SGD if spec.kind == "sgd" else torch.optim.AdamW
     lr = spec.lr if spec.lr is not None else model_lr(model_file, cls)
     return cls(params, lr=lr)
