@@ -93,3 +93,24 @@ def test_check_prints_every_one_briefly(path: Path, capfd):
     assert len(text.splitlines()) < 40, text
     cls, where = _expectation(path)
     assert (f"{path.name}:{where[0]}:{where[1]}: " if where else f"{path.name}: ") in text, text
+
+
+@pytest.mark.slow  # a third-party model
+def test_a_target_of_the_wrong_length_is_located_at_get_batch_on_a_hugging_face_model(tmp_path):
+    """A target one token short, under the default loss, on a model whose forward cannot run
+    on meta (Hugging Face LLaMA: the step on meta stops before the loss): the tracer meets the
+    fault, and it is reported at ``get_batch``'s line as the step on meta reports it, not as
+    "torch.export failed" with no line."""
+    source = (Path(__file__).resolve().parent.parent / "examples" / "hf_llama.py").read_text()
+    broken = source.replace("return data[:, :-1], data[:, 1:]", "return data[:, :-1], data[:, 2:]")
+    assert broken != source
+    path = tmp_path / "short_target.py"
+    path.write_text(broken)
+    with pytest.raises(SsdslError) as info:
+        trace(load_model_file(str(path)), device="meta")
+    err = info.value
+    assert type(err).__name__ == "ModelFileRaised", err.render()
+    line = broken.splitlines().index(
+        "def get_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:") + 1
+    assert err.span is not None and err.span.line == line, err.render()
+    assert "default loss" in err.message and "batch_size" in err.message

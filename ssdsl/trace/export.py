@@ -23,7 +23,7 @@ from ssdsl.trace.aligned import align_arange_indices
 from ssdsl.trace.dims import flow_names
 from ssdsl.trace.model_file import ModelFile
 from ssdsl.trace.shared import share_parameters
-from ssdsl.trace.trial import (check_batch_deterministic, quiet_torch_logs,
+from ssdsl.trace.trial import (check_batch_deterministic, loss_fault, quiet_torch_logs,
                                refuse_random_operators, try_training_step)
 
 # Short kind names for selectors, where the ATen name is long.
@@ -88,6 +88,9 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
     except SsdslError:
         raise
     except Exception as exc:
+        fault = loss_fault(model_file, exc)
+        if fault is not None:
+            raise fault from exc
         raise TraceError(f"torch.export failed on the model's forward and loss: "
                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                          file=model_file.path, hint="run with --debug for the full traceback; "

@@ -158,6 +158,26 @@ def _step(mf: ModelFile, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...
 _SKIP = object()
 
 
+def loss_fault(mf: ModelFile, exc: BaseException) -> ModelFileRaised | None:
+    """The error to report for ``exc``, raised while tracing the forward and loss, when it was
+    raised inside the loss: at the model file's line, and for the default loss at
+    ``get_batch``, whose target it got wrong; else None. (The step on ``meta`` checks the loss
+    first, but it cannot when the forward needs values there, as Hugging Face models' masks
+    may: then a wrong target reaches the tracer.)"""
+    codes = {f.f_code for f, _ in traceback.walk_tb(exc.__traceback__)}
+    if mf.loss is default_loss and default_loss.__code__ in codes:
+        where = def_span(mf.path, mf.get_batch_fn)
+        what = ("the default loss (cross-entropy of the output's last dim against integer "
+                "targets; define loss(output, target) for another target)")
+    elif getattr(mf.loss, "__code__", None) in codes:
+        where = locate_in(mf.path, exc) or def_span(mf.path, mf.loss)
+        what = "the loss"
+    else:
+        return None
+    return ModelFileRaised(f"{what} raised {_describe(exc)}", where, file=mf.path,
+                           hint="the target get_batch returns must fit the model's output")
+
+
 def check_batch_deterministic(mf: ModelFile, batch_size: int | None) -> None:
     """``NonDeterministicBatch`` (at ``get_batch``'s ``def`` line) when two calls of
     ``get_batch(0, ...)`` differ. The global random generators (torch's, Python's, numpy's)
