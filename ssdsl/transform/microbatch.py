@@ -339,13 +339,14 @@ def _boxes(t: Transformed, parts: dict[str, list[Part]],
     # (alive in ``parts`` for the whole loop), so telling them by id is cheaper than hashing
     # them, and a copy that slips through adds nothing to the union
     done: set = set()
-    regions = list(_regions(t, parts, dtype_reads))
-    # a tensor read for its dtype alone, and by nothing else here: the read as it is
-    touched = {name for name, _ in regions}
-    for op, slots in (dtype_reads or {}).items():
-        names = t.graph.op(op).inputs
-        regions += [(names[s], ivs) for p in parts[op] for s, ivs in enumerate(p.sub.inputs)
-                    if s in slots and ivs is not None and names[s] not in touched]
+    regions = _regions(t, parts, dtype_reads)
+    if dtype_reads:  # a tensor read for its dtype alone, and by nothing else: the read as it is
+        regions = list(regions)
+        touched = {name for name, _ in regions}
+        for op, slots in dtype_reads.items():
+            names = t.graph.op(op).inputs
+            regions += [(names[s], ivs) for p in parts[op] for s, ivs in enumerate(p.sub.inputs)
+                        if s in slots and ivs is not None and names[s] not in touched]
     for name, ivs in regions:
         if (name, id(ivs)) in done:
             continue
