@@ -95,8 +95,10 @@ def _by_shift(t: Transformed, d: Microbatch
     found = False
     for op in t.graph.ops:
         label = b._label(op.name, d.dim) or b._follow(op.name, flowing)
-        if label is not None and _dtype_slots(t, op.name, label):
-            return None  # a batch read for its dtype only: the general path places it
+        if label is not None and len(t.parts[op.name]) > 1 and _dtype_slots(t, op.name, label):
+            # a batch read for its dtype only, in parts (data parallelism replicated it): the
+            # general path places it; alone, cutting it like the batch is right as it is
+            return None
         if label is not None:
             found = True
             b._record(op.name, label, flowing)
