@@ -45,16 +45,26 @@ MODEL = textwrap.dedent('''
 
 
 def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (a rank may be a child of the launcher's fork server)."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            out += [int(x) for x in (task / "children").read_text().split()]
+            kids = [int(x) for x in (task / "children").read_text().split()]
         except OSError:
-            pass
+            continue
+        for kid in kids:
+            out += [kid, *_children(kid)]
     return out
 
 
 def _rank_of(pid: int) -> int | None:
+    """The rank a process is, by the name the launcher gives it, or by its environment."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    if name.startswith("ssdsl rank "):
+        return int(name.rsplit(" ", 1)[1])
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:

@@ -84,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     _check_flags(args)
     sets = parse_sets(args.set)
     rank = torchrun_rank()
+    if rank is None:
+        # the ranks' fork server loads torch and ssdsl now, beside this process's planning
+        from ssdsl.runtime.forkserver import prestart
+        prestart()
     progress = _progress(args, rank)
     with progress:
         # The first line, before torch is imported (which takes seconds on a busy machine).

@@ -56,6 +56,7 @@ from typing import Any
 import attrs
 
 from ssdsl.errors import SsdslError
+from ssdsl.runtime import forkserver
 from ssdsl.runtime.dist import TIMEOUT_VAR
 
 Worker = str | Callable[..., Any]
@@ -331,7 +332,7 @@ class _Job:
         self.nproc = nproc
         self.grace_s = grace_s
         self.on_event = on_event
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | forkserver.ForkedRank] = []
         self.event_offsets = [0] * nproc
         self.killed_by_us: set[int] = set()
         self.next_watch = 0.0
@@ -340,6 +341,7 @@ class _Job:
     def start(self, env: dict[str, str]) -> None:
         code = "from ssdsl.runtime.launch import _rank_main; _rank_main()"
         pins = _pins(env, self.nproc)
+        server = forkserver.server_for(env)
         for rank in range(self.nproc):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
             for var in (_RANK_CPUS_VAR, _HOST_CPUS_VAR):  # a launcher that is itself a rank
@@ -347,6 +349,11 @@ class _Job:
             if pins[rank] is not None:
                 rank_env[_RANK_CPUS_VAR] = ",".join(map(str, pins[rank]))
                 rank_env[_HOST_CPUS_VAR] = ",".join(map(str, _usable_cpus()))
+            # forked by the server, which has imported torch and ssdsl once (``forkserver``)
+            forked = server.fork(rank_env) if server is not None else None
+            if forked is not None:
+                self.procs.append(forked)
+                continue
             # A session of its own: Ctrl-C reaches only the launcher, which then ends the ranks.
             self.procs.append(subprocess.Popen([sys.executable, "-c", code], env=rank_env,
                                                stdin=subprocess.DEVNULL,
@@ -513,12 +520,16 @@ def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
 # ----------------------------------------------------------------------------- inside a rank
 
 
-def _rank_main() -> None:
-    """Entry point of a launched rank: run the worker, write its outcome, exit."""
+def _rank_main(*, forked: bool = False) -> None:
+    """Entry point of a launched rank: run the worker, write its outcome, exit. ``forked``: the
+    fork server's child, whose torch was loaded before ``OMP_NUM_THREADS`` was this rank's."""
     _die_with_launcher(int(os.environ[_LAUNCHER_PID_VAR]))
     cpus = os.environ.get(_RANK_CPUS_VAR)
     if cpus:  # before torch starts its threads, which inherit it
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    if forked:
+        _threads_from_environ()
+    _name_process(f"ssdsl rank {os.environ.get('RANK', '?')}")
     launch_dir = Path(os.environ[_LAUNCH_DIR_VAR])
     rank = int(os.environ["RANK"])
     _start_heartbeat(launch_dir, rank)
@@ -535,6 +546,27 @@ def _rank_main() -> None:
     sys.stderr.flush()
     # Skip interpreter teardown: destructors of a process group whose peers died can block.
     os._exit(0 if outcome[0] == "ok" else 1)
+
+
+def _name_process(name: str) -> None:
+    """Give this process a name ``ps``, ``top`` and ``/proc/PID/comm`` show (Linux: 15 bytes):
+    a forked rank's command line is its server's, and its ``/proc/PID/environ`` the server's
+    environment as it started."""
+    if sys.platform.startswith("linux"):
+        pr_set_name = 15
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
+
+
+def _threads_from_environ() -> None:
+    """Compute threads as ``OMP_NUM_THREADS`` says, as a fresh interpreter's torch would set
+    them (OpenMP reads the variable once, when it is loaded)."""
+    try:
+        threads = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return
+    if threads >= 1:
+        import torch
+        torch.set_num_threads(threads)
 
 
 def _run_payload(path: Path) -> tuple:
