@@ -27,6 +27,8 @@ where a range starts...) takes the general path, which derives every micro-batch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 
 from ssdsl.elaborate.directives import Microbatch
@@ -218,8 +220,22 @@ def _split(t: Transformed, d: Microbatch
     out: list[dict[str, list[Part]]] = [{} for _ in range(d.count)]
     dtype_reads: dict[str, frozenset[int]] = {}
     found = False
+    # a value a micro-batch holds only its share of (a loss reduced over its rows), by tensor:
+    # the reduction it comes from; only linear steps may follow it (``_linear_step``)
+    shares: dict[str, str] = {}
     for op in t.graph.ops:
         label = b._label(op.name, d.dim) or b._follow(op.name, flowing)
+        origin = next((shares[x] for x in op.inputs if x in shares), None)
+        if origin is not None:
+            if label is not None or not _linear_step(t, op, shares):
+                raise _reduced_and_used(t, t.graph.op(origin), d)
+            # ``0.5 * loss``, ``-loss``, ``ce + aux``: a micro-batch's share of the result is
+            # the step applied to its shares, and the shares still add up to the whole
+            shares.update((x, origin) for x in op.outputs)
+            for part in t.parts[op.name]:
+                for k in range(d.count):
+                    out[k].setdefault(op.name, []).append(part)
+            continue
         slots = _dtype_slots(t, op.name, label) if label is not None else frozenset()
         if slots:
             # ``x.new_ones(())``, ``y.type_as(x)``: any piece of ``x`` gives the same result, so
@@ -245,20 +261,64 @@ def _split(t: Transformed, d: Microbatch
             pieces = _pieces(t, b, part, label, d, memo)
             if any(len(p.sub.value) > len(part.sub.value) for p in pieces) \
                     and any(x in consumed for x in op.outputs):
-                raise NotMicrobatchable(
-                    f"operator '{op.name}' ({op.kind}, in '{op.module or '<top>'}') reduces over "
-                    f"'{d.dim}' and its result is used by later operators: each micro-batch would "
-                    f"see only its share", d.span,
-                    hint="a loss may divide by a value computed from the batch alone (a count "
-                    "of labelled tokens: summed over the whole batch first, docs/model_file.md); "
-                    "a value that also depends on parameters cannot be summed over micro-batches "
-                    "before they run: use data parallelism for it instead")
+                if not all(_scalar(t, x) for x in op.outputs):
+                    raise _reduced_and_used(t, op, d)
+                shares.update((x, op.name) for x in op.outputs)
             for k, piece in enumerate(pieces):
                 out[k].setdefault(op.name, []).append(piece)
     if not found:
         raise MissingDim(f"no operator has a dim '{d.dim}' to split into micro-batches", d.span,
                          hint="`ssdsl trace MODEL` shows the flowing dims (usually 'batch')")
     return out, dtype_reads
+
+
+def _reduced_and_used(t: Transformed, op, d: Microbatch) -> NotMicrobatchable:
+    return NotMicrobatchable(
+        f"operator '{op.name}' ({op.kind}, in '{op.module or '<top>'}') reduces over "
+        f"'{d.dim}' and its result is used by later operators: each micro-batch would "
+        f"see only its share", d.span,
+        hint="a loss may divide by a value computed from the batch alone (a count "
+        "of labelled tokens: summed over the whole batch first, docs/model_file.md), and be "
+        "scaled, negated or added to other losses over the batch; a value that also depends on "
+        "parameters cannot be summed over micro-batches before they run, nor can a term without "
+        "the batch be added to the loss once per micro-batch: use data parallelism for it "
+        "instead")
+
+
+def _scalar(t: Transformed, tensor: str) -> bool:
+    return t.graph.tensors[tensor].numel == 1
+
+
+# Steps linear in the micro-batch shares they read (every other input the same in every
+# micro-batch): the shares of their result add up to the result of the whole batch
+_SCALINGS = frozenset({"aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor",
+                       "aten.div.Scalar", "aten.neg.default"})
+_SUMS = frozenset({"aten.add.Tensor", "aten.sub.Tensor"})
+_AS_IS = frozenset({"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
+                    "aten.squeeze.default", "aten.squeeze.dim", "aten.unsqueeze.default",
+                    "aten.clone.default", "aten.alias.default", "aten._to_copy.default",
+                    "aten.to.dtype", "aten.sum.default", "aten.mean.default"})
+
+
+def _linear_step(t: Transformed, op, shares: Mapping[str, str]) -> bool:
+    """Whether ``op`` (no batch of its own) is linear in the shares it reads: a scaling of one
+    share by a value or a number the same in every micro-batch (``0.5 * loss``, ``loss / n``,
+    ``-loss``), a sum or difference of shares (``ce + 0.01 * aux``; a term without the batch
+    would be added once per micro-batch), or a cast or reshape of one scalar share."""
+    target = str(op.target)
+    ins = [x in shares for x in op.inputs]
+    if not all(_scalar(t, x) for x in op.outputs):
+        return False
+    if target in _AS_IS or target == "aten.neg.default":
+        return len(ins) == 1 and ins[0]
+    if target in _SCALINGS:
+        if sum(ins) != 1:
+            return False
+        # a quotient only of a share by a divisor, never of a divisor by a share
+        return not target.startswith("aten.div") or ins[0]
+    if target in _SUMS:
+        return len(ins) == 2 and all(ins)
+    return False
 
 
 def _dtype_slots(t: Transformed, op: str, label: str) -> frozenset[int]:
