@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ssdsl.ops.build import dims, plain
+from ssdsl.ops.build import broadcast, dims, plain
 from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, by_extent, register
 
 _MEAN, _SUM = 1, 2
@@ -63,8 +63,9 @@ def cross_entropy(call: Call) -> Annotation:
 def pointwise_loss(call: Call) -> Annotation:
     x = call.shape(0, "self")
     labels = dims(len(x))
-    sig = plain(labels, x)
-    ins = tuple(sig for _ in call.op.inputs)
+    # the target and any weight broadcast to the input's shape (``pos_weight`` of (C,) against
+    # (N, C)): each read at its own shape, a dim broadcast from 1 whole by every part
+    ins, sig = broadcast(call.in_shapes, x)
     reduction = call.arg(2, "reduction", _MEAN)
     if call.op.target == "aten.binary_cross_entropy_with_logits.default":
         reduction = call.arg(4, "reduction", _MEAN)

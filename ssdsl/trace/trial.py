@@ -227,9 +227,17 @@ def random_operators(graph: Any) -> list[str]:
     return found
 
 
+# The arguments that hold a seeded operator's dropout probability: ``dropout(x, p, train)``,
+# ``scaled_dot_product_attention(..., dropout_p)``, the recurrent layers' ``lstm(..., dropout,
+# train, ...)`` (also ``gru``, ``rnn_tanh``, ``rnn_relu``, ``_cudnn_rnn``).
+_PROBABILITIES = ("p", "dropout_p", "dropout")
+
+
 def _draws_nothing(op: Any, target: Any) -> bool:
     """A dropout-like operator with probability 0, or not training (``dropout(x, p, train)``,
-    ``scaled_dot_product_attention(..., dropout_p=0.0)``): it draws nothing."""
+    ``scaled_dot_product_attention(..., dropout_p=0.0)``): it draws nothing. A recurrent layer
+    (an argument ``num_layers``: ``lstm``, ``gru``, ``rnn_tanh``...) drops out only between its
+    layers, on every output but the last layer's, so one layer draws nothing either."""
     bound: dict[str, Any] = {}
     for i, arg in enumerate(target._schema.arguments):
         if i < len(op.args):
@@ -240,7 +248,14 @@ def _draws_nothing(op: Any, target: Any) -> bool:
             bound[arg.name] = arg.default_value
     if "train" in bound and bound["train"] is False:
         return True
-    return any(bound.get(name) == 0 for name in ("p", "dropout_p"))
+    if isinstance(bound.get("num_layers"), int) and bound["num_layers"] <= 1:
+        return True
+    return any(_is_zero(bound.get(name)) for name in _PROBABILITIES)
+
+
+def _is_zero(value: Any) -> bool:
+    """Whether ``value`` is the number 0 (not ``False``, not a tensor)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
 def refuse_random_operators(graph: Any, path: str, lines: dict[str, int] | None = None) -> None:
