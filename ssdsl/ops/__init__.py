@@ -35,7 +35,7 @@ Using it (the transform phase)::
   (cross-entropy's batch split likewise).
 - Adding operators: one file per family (``elementwise``, ``matmul``, ``reduction``, ``shape``,
   ``attention``, ``embedding``, ``normalization``, ``loss``, ``convolution``, ``creation``,
-  ``pooling``), each
+  ``pooling``, ``fft``), each
   rule a function ``Call -> Annotation`` under ``@register("aten.<op>.<overload>", ...)``; ops that
   can only be replicated are listed with a reason by ``replicate_only`` (``replicate.py``).
 """
@@ -43,7 +43,7 @@ Using it (the transform phase)::
 from __future__ import annotations
 
 from ssdsl.ops import (  # noqa: F401  (filling the registry)
-    attention, convolution, creation, elementwise, embedding, loss, matmul, normalization,
+    attention, convolution, creation, elementwise, embedding, fft, loss, matmul, normalization,
     padding, pooling, reduction, replicate, shape,
 )
 from ssdsl.ops.annotate import annotate, call_of, label_for_name

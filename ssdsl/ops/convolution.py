@@ -91,3 +91,24 @@ def _lower_grouped_conv(per_group: int, channel_dim: int):
         largs, lkw = set_arg(local.args, dict(local.kwargs), 6, "groups", channels // inside)
         return LocalCall(local.target, largs, lkw, scale=local.scale)
     return lower
+
+
+@register("aten.im2col.default")
+def im2col(call: Call) -> Annotation:
+    """``F.unfold`` / ``nn.Unfold`` (ConvBERT's span-based convolution): ``(N, C, H, W)`` to
+    ``(N, C kh kw, L)``, the sliding windows' values per channel. The batch and the channels are
+    spatial (channel ``c`` of the output dim ``(C kh kw)`` reads channel ``c`` alone: a part of
+    the channels is a contiguous block of it); the kernel offsets and the positions are frozen
+    (a window crosses the boundary of a part)."""
+    x = call.shape(0, "self")
+    (out,) = call.out_shapes
+    batched = len(x) == 4
+    lead = [(Factor("N", x[0]),)] if batched else []
+    c = x[-3]
+    kernel = out[-2] // c
+    frozen = {"h0": "a window crosses the boundary of a part",
+              "h1": "a window crosses the boundary of a part",
+              "k": "the kernel offsets of a window", "L": "a window's position"}
+    ins = (*lead, (Factor("C", c),), (Factor("h0", x[-2]),), (Factor("h1", x[-1]),))
+    outs = (*lead, (Factor("C", c), Factor("k", kernel)), (Factor("L", out[-1]),))
+    return Annotation((ins,), (outs,), frozen=frozen, windows=frozenset({"h0", "h1"}))

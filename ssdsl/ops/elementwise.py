@@ -18,6 +18,12 @@ BINARY_TENSOR = ["add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge",
                  "bitwise_or", "remainder", "fmod"]
 BINARY_DEFAULT = ["maximum", "minimum", "logical_and", "logical_or", "atan2", "floor_divide"]
 
+# ``torch.multiply`` / ``divide`` / ``subtract`` / ``true_divide`` keep their own names in an
+# exported graph (ConvBERT's ``torch.multiply(query, key_conv)``): aliases of mul, div, sub.
+ALIASES = ([f"aten.{n}.{o}" for n in ["multiply", "divide", "subtract", "true_divide"]
+            for o in ["Tensor", "Scalar"]]
+           + ["aten.divide.Tensor_mode"])
+
 _targets = (
     [f"aten.{n}.default" for n in UNARY + IDENTITY + BINARY_DEFAULT]
     + [f"aten.{n}.Tensor" for n in BINARY_TENSOR]
@@ -31,6 +37,9 @@ _targets = (
        "aten.addcdiv.default", "aten.gelu.default", "aten.fill.Scalar", "aten.zeros_like.default",
        "aten.ones_like.default", "aten.full_like.default", "aten.bitwise_not.default",
        "aten.float.default", "aten.min.other", "aten.max.other"]
+    + ALIASES
+    # each element's real or imaginary part (FNet's ``torch.fft.fftn(x, dim=(1, 2)).real``)
+    + ["aten.real.default", "aten.imag.default"]
 )
 
 # In-place forms (``x.add_(y)``, ``relu_``, ``masked_fill_``, ``copy_``): annotated as their

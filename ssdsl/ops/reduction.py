@@ -1,5 +1,8 @@
 """Reductions and softmax. A summed dim is reduced (parts give partial sums); a mean is a sum
-scaled by the part's share; max, softmax and friends freeze the dims they reduce over."""
+scaled by the part's share; max, softmax and friends freeze the dims they reduce over, as do the
+norms (``norm``, ``linalg_vector_norm``: ``F.normalize``, ``x.norm(dim=-1)``; ``dim=None``
+reduces every dim): a norm of parts is no sum of the parts' norms, and no partial-sum combine
+other than a plain sum exists, so their reduced dims are frozen and the kept dims split."""
 
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ def _reduced_dims(call: Call, shape) -> set[int]:
 
 
 def _dim_pos(call: Call) -> int:
-    return 2 if call.op.target == "aten.norm.ScalarOpt_dim" else 1
+    """Position of ``dim`` (``keepdim`` follows it): after ``p`` / ``ord`` for the norms."""
+    return 2 if call.op.target in ("aten.norm.ScalarOpt_dim",
+                                   "aten.linalg_vector_norm.default") else 1
 
 
 @by_extent
@@ -50,7 +55,7 @@ def _mean_lower(call: Call, ann: Annotation, ranges: Mapping[str, Interval], arg
           "aten.amax.default", "aten.amin.default", "aten.max.dim", "aten.min.dim",
           "aten.argmax.default", "aten.logsumexp.default", "aten.var.correction",
           "aten.std.correction", "aten.norm.ScalarOpt_dim", "aten.prod.dim_int",
-          "aten.all.dim", "aten.any.dim")
+          "aten.all.dim", "aten.any.dim", "aten.linalg_vector_norm.default")
 def reduce(call: Call) -> Annotation:
     (shape,) = call.in_shapes[:1]
     target = call.op.target

@@ -208,11 +208,15 @@ def _rtol(dtype: torch.dtype) -> float:
 
 
 def _ref_grad(g, ref_grads: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The plain model's gradient of parameter ``name``; zeros for a parameter the loss does not
+    reach (its ``.grad`` stays None: a pooler whose output no loss reads)."""
     qual = g.params[name]
     for q in (qual, *g.aliases.get(qual, ())):
         if q in ref_grads:
             return ref_grads[q]
-    raise KeyError(f"no reference gradient for {qual}")
+    info = g.tensors[name]
+    some = next(iter(ref_grads.values()), None)
+    return torch.zeros(info.shape, dtype=some.dtype if some is not None else torch.float64)
 
 
 # -- everything ---------------------------------------------------------------------------------------
