@@ -67,7 +67,9 @@ def start_all_gather_into(out: torch.Tensor, x: torch.Tensor, members: Members, 
     if list(members) != sorted(members):
         raise ValueError(f"a flat all-gather needs its members ascending, got {members}")
     # into one tensor: no copy out of a staging buffer (on gloo a third faster than a list)
-    return dist.all_gather_into_tensor(out, x, group=_pg(groups, members), async_op=True)
+    # (``all_gather_single`` is its name from torch 2.13 on: the old one warns it is deprecated)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, x, group=_pg(groups, members), async_op=True)
 
 
 def start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, members: Members, groups=None):

@@ -626,7 +626,8 @@ def _read_beat(directory: Path, rank: int) -> _Beat | None:
 
 
 _COMM_CALLS = [0]  # communication calls this rank has made (a wait is "new" when this grows)
-_COMM_FUNCS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+_COMM_FUNCS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "reduce_scatter",
                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "send",
                "recv", "isend", "irecv", "barrier", "batch_isend_irecv", "all_gather_object",
                "gather_object", "broadcast_object_list", "gather", "scatter", "reduce",
