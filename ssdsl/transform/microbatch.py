@@ -498,10 +498,14 @@ def _check_same(first: dict[str, list[Part]], other: dict[str, list[Part]], k: i
         for a, b in zip(ps, other[op]):
             if a.device != b.device or not _same_sub(a.sub, b.sub):
                 raise UnevenMicrobatches(
-                    f"micro-batch {k} of operator '{op}' differs from micro-batch 0 (part "
-                    f"{a.index}): the batch does not split into {d.count} equal micro-batches "
-                    "here", d.span, hint="choose a micro-batch count that divides the batch "
-                    "of every part")
+                    f"micro-batch {k} of operator '{op}' is not micro-batch 0's moved along "
+                    f"'{d.dim}' (part {a.index}): the batch does not split into {d.count} "
+                    "equal micro-batches here, or the operator reads the batch through a tensor "
+                    "that is not split with it (rows picked or merged by an operator that "
+                    "cannot be split along it)", d.span,
+                    hint="choose a micro-batch count that divides the batch of every part; "
+                    f"`ssdsl trace MODEL` shows which operators carry '{d.dim}' through and "
+                    "which cannot be split along it")
 
 
 def _same_sub(a: SubOp, b: SubOp) -> bool:
