@@ -1,7 +1,8 @@
 """Start N local ranks, collect what each returns, and end the whole job when one of them fails.
 
-``launch(worker, nproc=N, args=...)`` runs ``worker(*args, **kwargs)`` in N fresh Python processes
-that rendezvous on loopback (env:// with ``MASTER_ADDR=127.0.0.1``; the launcher hosts the store on
+``launch(worker, nproc=N, args=...)`` runs ``worker(*args, **kwargs)`` in N processes of their own
+(forked by ``ssdsl.runtime.forkserver``, which has imported torch and ssdsl once; with
+``SSDSL_FORK_SERVER=0``, fresh interpreters) that rendezvous on loopback (env:// with ``MASTER_ADDR=127.0.0.1``; the launcher hosts the store on
 a port the OS picks, as torchrun's agent does, so two jobs never race for a port). It returns the N
 return values in rank order. A worker learns its rank from the environment
 (``ssdsl.runtime.dist.RankEnv.from_environ()``), exactly as under torchrun, so the same worker runs
