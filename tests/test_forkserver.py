@@ -98,3 +98,28 @@ def test_a_rank_dies_with_its_server_and_the_job_says_so():
     assert "SIGKILL" in str(err.value)
     # the next job starts a new server
     assert [r["rank"] for r in launch(describe_rank, nproc=2, args=("after",))] == [0, 1]
+
+
+def _launch_in_a_forked_launcher(queue) -> None:
+    results = launch(describe_rank, nproc=1, args=("child launcher",))
+    queue.put((os.getpid(), results[0]["parent"], forkserver._SERVER[0].proc.pid))
+
+
+def test_a_process_forked_from_the_launcher_starts_its_own_server():
+    """A launcher forked (``multiprocessing``'s fork context) holds its parent's handle: it must
+    neither talk on the parent's socket nor close the parent's server at its exit."""
+    import multiprocessing
+
+    launch(describe_rank, nproc=1, args=("parent",))
+    parent_server = forkserver._SERVER[0].proc.pid
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_launch_in_a_forked_launcher, args=(queue,))
+    child.start()
+    pid, rank_parent, child_server = queue.get(timeout=120)
+    child.join(60)
+    assert child.exitcode == 0
+    assert rank_parent == child_server != parent_server
+    # the parent's server still serves, and is the same process
+    (r,) = launch(describe_rank, nproc=1, args=("parent again",))
+    assert r["parent"] == parent_server == forkserver._SERVER[0].proc.pid

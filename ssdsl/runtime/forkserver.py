@@ -80,6 +80,7 @@ class ForkServer:
                                      start_new_session=True)
         theirs.close()
         self.sock = ours
+        self.owner = os.getpid()  # a process forked from the launcher must not use it
         self.lock = threading.Lock()
         self.ready: tuple | None = None
         self.dead = False
@@ -167,6 +168,8 @@ class ForkServer:
             return ForkedRank(self, answer[1])
 
     def close(self) -> None:
+        if self.owner != os.getpid():  # the launcher's server, seen from a process it forked
+            return
         self.dead = True
         try:
             self.sock.close()
@@ -228,6 +231,9 @@ def server_for(env: Mapping[str, str]) -> ForkServer | None:
         return None
     with _SERVER_LOCK:
         server = _SERVER[0] if _SERVER else None
+        if server is not None and server.owner != os.getpid():
+            _SERVER.clear()  # inherited through a fork of the launcher: its parent's to use
+            server = None
         if server is not None and server.usable(env):
             return server
         if server is not None:
@@ -243,7 +249,7 @@ def prestart(env: Mapping[str, str] | None = None) -> None:
     if not enabled(env):
         return
     with _SERVER_LOCK:
-        if not _SERVER:
+        if not _SERVER or _SERVER[0].owner != os.getpid():
             _start(env)
 
 
@@ -259,7 +265,7 @@ def _start(env: Mapping[str, str]) -> ForkServer | None:
 @atexit.register
 def _close_at_exit() -> None:
     for server in _SERVER:
-        server.close()
+        server.close()  # (not a server this process did not start)
     _SERVER.clear()
 
 
