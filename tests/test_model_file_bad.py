@@ -114,3 +114,19 @@ def test_a_target_of_the_wrong_length_is_located_at_get_batch_on_a_hugging_face_
         "def get_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:") + 1
     assert err.span is not None and err.span.line == line, err.render()
     assert "default loss" in err.message and "batch_size" in err.message
+
+
+@pytest.mark.parametrize("name", ["forward_makes_a_cpu_tensor.py",
+                                  "loss_uses_a_module_constant_on_cpu.py"])
+def test_a_tensor_on_another_device_is_named_as_such(name):
+    """A tensor made apart from the model's (on the CPU) meeting them on meta is a device
+    mismatch, not a read of values: the message says so and how to make it follow them."""
+    from ssdsl.trace import trace
+    from ssdsl.trace.model_file import load_model_file
+    from ssdsl.trace.trial import ModelFileRaised
+
+    with pytest.raises(ModelFileRaised) as err:
+        trace(load_model_file(str(BAD / name)), device="meta")
+    text = err.value.render()
+    assert "made on another device" in text and "device=x.device" in text
+    assert "needs tensor values" not in text

@@ -285,6 +285,15 @@ def _call(mf: ModelFile, what: str, fn: Any, fallback: Any) -> Any:
         if _meta_limitation(exc):
             if span is None or not _raised_by_model_file(mf.path, exc):
                 return _SKIP  # inside a library: the tracer says whether it can go on
+            if _other_device(exc):
+                raise ModelFileRaised(
+                    f"{what} mixes a tensor made on another device with the model's at this "
+                    f"line ({_describe(exc)})", span, file=mf.path,
+                    hint="ssdsl plans with the model's tensors on the meta device (shapes "
+                    "only), and runs them on each rank's device: a tensor made apart from them "
+                    "(a module-level constant, a torch.tensor(...) without a device) must follow "
+                    "them: create it with device=x.device, or move it with .to(x.device)"
+                    ) from exc
             raise ModelFileRaised(
                 f"{what} needs tensor values at this line ({_describe(exc)})", span,
                 file=mf.path, hint="ssdsl plans on shapes only (meta and fake tensors): "
@@ -305,6 +314,13 @@ def _raised_by_model_file(path: str, exc: BaseException) -> bool:
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if not str(Path(f.filename).resolve()).startswith(_TORCH_DIR)]
     return bool(frames) and Path(frames[-1].filename).resolve() == Path(path).resolve()
+
+
+def _other_device(exc: Exception) -> bool:
+    """A meta tensor met one on a real device (``Tensor on device cpu is not on the expected
+    device meta!``, ``Expected all tensors to be on the same device``)."""
+    text = str(exc).lower()
+    return "expected device meta" in text or ("same device" in text and "meta" in text)
 
 
 def _meta_limitation(exc: Exception) -> bool:
