@@ -147,3 +147,22 @@ def test_an_lstm_without_dropout_trains_like_the_plain_model():
     assert v.verified and v.dtype == "float64", v
     assert abs(v.loss - v.reference_loss) <= 1e-12 * abs(v.reference_loss)
     assert v.max_grad_error < 1e-12
+
+
+def test_tracing_an_lstm_says_nothing_of_torchs_own_weight_list():
+    """torch.export warns that ``nn.LSTM._flat_weights`` (rebuilt by the layer's own forward)
+    was assigned during export: torch's internals, not the user's; the tracer drops that one
+    warning and no other."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trace(load_model_file(LSTM), device="meta")
+    assert not [w for w in seen if "_flat_weights" in str(w.message)]
+    with warnings.catch_warnings(record=True) as seen:  # torch does warn without the filter
+        warnings.simplefilter("always")
+        model = load_model_file(LSTM).build(seed=0)
+        mf = load_model_file(LSTM)
+        inputs, target = mf.get_batch(0, mf.batch_size)
+        torch.export.export(model, tuple(inputs), strict=False)
+    assert [w for w in seen if "_flat_weights" in str(w.message)]

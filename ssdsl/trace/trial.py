@@ -17,6 +17,7 @@ import contextlib
 import logging
 import sys
 import traceback
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,14 +62,20 @@ class ModelFileBadLoss(ModelFileContract):
 
 @contextlib.contextmanager
 def quiet_torch_logs() -> Iterator[None]:
-    """Raise torch's tracing loggers to CRITICAL for the duration (restored after)."""
+    """Raise torch's tracing loggers to CRITICAL for the duration (restored after), and drop
+    the export warning that the recurrent layers' own weight list (``nn.LSTM._flat_weights``,
+    rebuilt in their forward) was assigned during export: it is torch's internals, not the
+    user's, and it changes nothing in the trace."""
     saved = []
     for name in _TORCH_LOGGERS:
         logger = logging.getLogger(name)
         saved.append((logger, logger.level))
         logger.setLevel(logging.CRITICAL)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"The tensor attributes (\S*\._flat_weights"
+                                    r"\[\d+\](, )?)+ were assigned during export")
+            yield
     finally:
         for logger, level in saved:
             logger.setLevel(level)
