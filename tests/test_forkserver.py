@@ -123,3 +123,34 @@ def test_a_process_forked_from_the_launcher_starts_its_own_server():
     # the parent's server still serves, and is the same process
     (r,) = launch(describe_rank, nproc=1, args=("parent again",))
     assert r["parent"] == parent_server == forkserver._SERVER[0].proc.pid
+
+
+def which_ssdsl() -> tuple[int, str]:
+    import ssdsl
+    return os.getppid(), str(Path(ssdsl.__file__).resolve())
+
+
+def test_the_server_imports_the_launchers_ssdsl_wherever_it_starts(tmp_path, monkeypatch):
+    """A server started in a directory holding another ``ssdsl`` (a checkout beside an installed
+    one) still loads the launcher's: its ranks run the code the launcher planned with."""
+    import ssdsl
+    decoy = tmp_path / "ssdsl"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy ssdsl was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SSDSL_TEST_EXTRA", "a server of its own, started here")
+    ((parent, where),) = launch(which_ssdsl, nproc=1)
+    assert parent == forkserver._SERVER[0].proc.pid != os.getpid()
+    assert where == str(Path(ssdsl.__file__).resolve())
+
+
+def test_a_spawned_rank_imports_the_launchers_ssdsl_too(tmp_path, monkeypatch):
+    import ssdsl
+    decoy = tmp_path / "ssdsl"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy ssdsl was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(forkserver.SERVER_VAR, "0")
+    ((parent, where),) = launch(which_ssdsl, nproc=1)
+    assert parent == os.getpid()
+    assert where == str(Path(ssdsl.__file__).resolve())

@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 SERVER_VAR = "SSDSL_FORK_SERVER"  # 0: no fork server
@@ -61,6 +62,14 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     return sys.platform.startswith("linux") and env.get(SERVER_VAR, "1") != "0"
 
 
+def home() -> str:
+    """The folder this process imports ssdsl from: a server or rank puts it first on its path,
+    so that it runs the launcher's ssdsl wherever its working directory would find another (a
+    checkout's ``ssdsl/`` beside an installed one)."""
+    import ssdsl
+    return str(Path(ssdsl.__file__).resolve().parent.parent)
+
+
 def _base(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in PER_JOB_VARS}
 
@@ -74,7 +83,8 @@ class ForkServer:
         server_env = dict(env)
         server_env[_SOCKET_VAR] = str(theirs.fileno())
         server_env["SSDSL_LAUNCHER_PID"] = str(os.getpid())
-        code = "from ssdsl.runtime.forkserver import _serve; _serve()"
+        code = (f"import sys; sys.path.insert(0, {home()!r}); "
+                "from ssdsl.runtime.forkserver import _serve; _serve()")
         self.proc = subprocess.Popen([sys.executable, "-c", code], env=server_env,
                                      pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -144,7 +154,7 @@ class ForkServer:
         if not self.wait_ready():
             return False
         import ssdsl
-        return self.ready[1:] == (ssdsl.__file__, sys.executable)
+        return self.ready[1:] == (str(Path(ssdsl.__file__).resolve()), sys.executable)
 
     def fork(self, env: Mapping[str, str]) -> ForkedRank | None:
         """A rank forked with environment ``env`` in this process's working directory, writing
@@ -280,7 +290,7 @@ def _serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     _preload()
     import ssdsl
-    sock.send(pickle.dumps(("ready", ssdsl.__file__, sys.executable)))
+    sock.send(pickle.dumps(("ready", str(Path(ssdsl.__file__).resolve()), sys.executable)))
     children: set[int] = set()
     while True:
         ready, _, _ = select.select([sock], [], [], _REAP_S if children else None)

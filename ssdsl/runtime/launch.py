@@ -340,7 +340,9 @@ class _Job:
         self.cpu_seen: dict[int, float | None] = {}
 
     def start(self, env: dict[str, str]) -> None:
-        code = "from ssdsl.runtime.launch import _rank_main; _rank_main()"
+        # the launcher's ssdsl, not one the working directory holds (``forkserver.home``)
+        code = (f"import sys; sys.path.insert(0, {forkserver.home()!r}); "
+                "from ssdsl.runtime.launch import _rank_main; _rank_main()")
         pins = _pins(env, self.nproc)
         server = forkserver.server_for(env)
         for rank in range(self.nproc):
