@@ -23,11 +23,14 @@ class SsdslError(Exception):
     default_hint: str | None = None
 
     def __init__(self, message: str, span: Span | None = None, *, hint: str | None = None,
-                 file: str | None = None) -> None:
+                 file: str | None = None, origin: Span | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.span = span
         self.hint = hint if hint is not None else type(self).default_hint
+        # Where the model's code makes the operator a plan error names (a line of the model
+        # file or of the library it calls, as HF's modeling file): shown as a note.
+        self.origin = origin
         # For faults located in a file but not at a line (a model file missing a function, say).
         self.file = file if file is not None else (span.file if span else None)
 
@@ -51,6 +54,11 @@ class SsdslError(Exception):
                 parts.append(excerpt)
         if self.hint:
             parts.append(f"hint: {_cut(self.hint)}")
+        origin = getattr(self, "origin", None)  # errors copied by hand may lack it
+        if origin is not None and origin != self.span:
+            parts.append(f"note: the operator comes from {origin}")
+            if excerpt := origin.excerpt():
+                parts.append(excerpt)
         site = self.span.via if self.span is not None else None
         while site is not None:  # the user's `use` line, then the lines that led to it
             parts.append(f"note: in the plan used at {site}")

@@ -96,3 +96,35 @@ def _window(src: str, column: int, end: int) -> tuple[str, int, int]:
     shift = start - len(head)
     return (head + src[start:stop] + tail, column - shift,
             min(end, stop + 1) - shift)
+
+
+def file_line(path: str, line: int, shown: str | None = None) -> Span:
+    """A span over ``line`` of the file at ``path`` (from its first non-blank character), named
+    ``shown`` (default ``path``) in messages, with the file's text remembered for the excerpt."""
+    name = shown or path
+    text = source_text(name)
+    if text is None:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            text = ""
+        remember_source(name, text)
+    lines = text.splitlines()
+    src = lines[line - 1] if 0 < line <= len(lines) else ""
+    column = len(src) - len(src.lstrip())
+    return Span.point(name, line, column + 1, max(1, len(src.rstrip()) - column))
+
+
+def shown_path(path: str) -> str:
+    """``path`` as a message shows it: relative to the working folder when inside it, from the
+    package down when installed (``transformers/models/bert/modeling_bert.py``)."""
+    import os
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in path:
+            return path.rsplit(marker, 1)[1]
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel

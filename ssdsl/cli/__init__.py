@@ -115,7 +115,12 @@ def error_json(err: SsdslError, command: str | None = None) -> dict:
             "errors": [{"kind": type(e).__name__, "message": e.message,
                         "file": e.file, "line": e.span.line if e.span else None,
                         "column": e.span.column if e.span else None, "hint": e.hint,
-                        "text": e.render()} for e in errors]}
+                        "origin": _origin_json(e), "text": e.render()} for e in errors]}
+
+
+def _origin_json(err: SsdslError) -> dict | None:
+    origin = getattr(err, "origin", None)
+    return None if origin is None else {"file": origin.file, "line": origin.line}
 
 
 def print_json_error(err: SsdslError, command: str | None = None) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import attrs
 
+from ssdsl.source import Span, file_line, shown_path
+
 
 @attrs.frozen
 class TensorRef:
@@ -147,6 +149,10 @@ class Graph:
     constants: Mapping[str, Any] = attrs.field(converter=MappingProxyType, factory=dict,
                                                eq=False, hash=False)
     prologue: tuple[Op, ...] = ()
+    # Where the model's code calls each operator: operator name -> (file, line), the innermost
+    # frame outside torch (the model file's line, or HF's modeling file); for messages only.
+    sources: Mapping[str, tuple[str, int]] = attrs.field(converter=MappingProxyType,
+                                                         factory=dict, eq=False, hash=False)
 
     @property
     def step_values(self) -> tuple[str, ...]:
@@ -168,6 +174,15 @@ class Graph:
     @functools.cached_property
     def _op_index(self) -> dict[str, Op]:  # planning at scale looks operators up by the million
         return {o.name: o for o in self.ops}
+
+    def origin(self, name: str) -> Span | None:
+        """The line of the model's code that calls operator ``name`` (None when unknown), for
+        an error's note."""
+        found = self.sources.get(name)
+        if found is None:
+            return None
+        path, line = found
+        return file_line(path, line, shown_path(path))
 
     def producer(self) -> dict[str, Op]:
         """Map from tensor name to the op that produces it."""

@@ -97,6 +97,7 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
                          "data-dependent control flow and unsupported ops are common causes") from exc
     seeds = _input_seeds(model_file, ep, len(inputs))
     graph = graph_from_export(ep, seeds=seeds, model=model)
+    graph = _loss_sources(graph, model_file.loss)
     refuse_random_operators(graph, model_file.path, _model_file_lines(ep, model_file.path))
     return graph
 
@@ -185,7 +186,51 @@ def graph_from_export(ep: torch.export.ExportedProgram,
     # tied names of frozen parameters too: a saved state has every name the model's has
     return Graph(ops=tuple(ops), tensors=tensors, params=params, buffers=buffers,
                  inputs=tuple(inputs), output=output,
-                 aliases=_aliases(model, {**params, **buffers}), constants=constants)
+                 aliases=_aliases(model, {**params, **buffers}), constants=constants,
+                 sources=_source_lines(ep))
+
+
+def _loss_sources(graph: Graph, loss: Any) -> Graph:
+    """The operators without a line of their own (torch keeps the frames of modules' forwards
+    only, so the loss's operators have none) placed at the user's loss function."""
+    import inspect
+    try:
+        path = inspect.getsourcefile(loss)
+        line = inspect.getsourcelines(loss)[1]
+    except (TypeError, OSError):
+        return graph
+    if path is None or Path(path).resolve().is_relative_to(Path(__file__).resolve().parents[1]):
+        return graph  # ssdsl's default loss: no line of the user's to show
+    missing = {op.name: (path, line) for op in graph.ops if op.name not in graph.sources}
+    if not missing:
+        return graph
+    import attrs
+    return attrs.evolve(graph, sources={**graph.sources, **missing})
+
+
+def _source_lines(ep: torch.export.ExportedProgram) -> dict[str, tuple[str, int]]:
+    """For each exported operator, the innermost frame of its stack trace in the user's code:
+    outside torch, ssdsl and Python's own library (the model file, or HF's modeling file)."""
+    import re
+    import sysconfig
+    pattern = re.compile(r'File "([^"]+)", line (\d+)')
+    skip = tuple(str(Path(p).resolve()) for p in (
+        Path(torch.__file__).parent, Path(__file__).resolve().parents[1],
+        sysconfig.get_paths()["stdlib"]))
+    keep: dict[str, bool] = {}
+
+    def ours(f: str) -> bool:
+        if f not in keep:
+            keep[f] = not f.startswith("<") and not str(Path(f).resolve()).startswith(skip)
+        return keep[f]
+
+    out: dict[str, tuple[str, int]] = {}
+    for node in ep.graph.nodes:
+        found = [(f, int(n)) for f, n in pattern.findall(node.meta.get("stack_trace") or "")
+                 if ours(f)]
+        if found:
+            out[node.name] = found[-1]
+    return out
 
 
 def _frozen_parameter(ep: torch.export.ExportedProgram, target: str) -> bool:

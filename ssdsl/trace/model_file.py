@@ -336,6 +336,11 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelFileError("cannot import this file as Python", file=str(path))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    # as ``python model.py`` would: the model file's folder first on the path, so that the
+    # helper modules beside it (``from my_layers import Block``) import
+    folder = str(key.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as exc:

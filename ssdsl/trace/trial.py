@@ -279,7 +279,8 @@ def refuse_random_operators(graph: Any, path: str, lines: dict[str, int] | None 
         f"'{op.module or '<top>'}'){more}; each rank would draw different numbers, so the "
         "parallel run could not equal the single-device model",
         line_span(path, line, None) if line else None, file=path,
-        hint="set dropout probabilities to 0 (or build the model without random operators)")
+        hint="set dropout probabilities to 0 (or build the model without random operators)",
+        origin=getattr(graph, "origin", lambda _: None)(op.name))
 
 
 def _call(mf: ModelFile, what: str, fn: Any, fallback: Any) -> Any:

@@ -62,6 +62,7 @@ class _Builder:
             try:  # the rule's own error, naming the operator and why it has no annotation
                 require(self.anns[names[0]], self.graph.op(names[0]))
             except NotAnnotatedError as err:
+                err.origin = self.graph.origin(names[0])
                 raise _at(err, d.span) from None
         labels = {n: self._label(n, d.dim, d.parts) for n in names}
         if len(names) > 1:  # a selection: an op that only reads the dim is an op without it
@@ -69,10 +70,12 @@ class _Builder:
                       for n, lab in labels.items()}
         if not any(labels.values()):
             raise MissingDim(self._missing_message(names, d.dim), d.span,
-                             hint=self._missing_hint(names, d.dim))
+                             hint=self._missing_hint(names, d.dim),
+                             origin=self.graph.origin(names[0]) if len(names) == 1 else None)
         if len(names) == 1 and labels[names[0]] is None:
             raise MissingDim(self._missing_message(names, d.dim), d.span,
-                             hint=self._missing_hint(names, d.dim))
+                             hint=self._missing_hint(names, d.dim),
+                             origin=self.graph.origin(names[0]))
         # The split follows the data inside the selection: an operator without the dim whose
         # input carries a dim split here (the GELU between Megatron's two MLP linears) is split
         # along the dim that input flows into; then, backwards, one whose output feeds a dim
@@ -107,6 +110,7 @@ class _Builder:
                             f"dimension '{label}' ", f"dimension '{d.dim}' ('{label}') ", 1)
                     if len(names) > 1:
                         err.hint = _leave_out_hint(d, self.graph.op(name).kind)
+                    err.origin = self.graph.origin(name)
                     raise
         if lacking:
             self.notes.append(f"{d.span}: {len(lacking)} operator(s) without dim '{d.dim}' "

@@ -255,7 +255,8 @@ def _split(t: Transformed, d: Microbatch
                 f"operator '{op.name}' ({op.kind}, in '{op.module or '<top>'}') reads a tensor "
                 f"split into micro-batches along '{d.dim}' but cannot be split itself (it would "
                 "need every micro-batch at once)", d.span,
-                hint="micro-batch a model whose operators all carry the batch through")
+                hint="micro-batch a model whose operators all carry the batch through",
+                origin=t.graph.origin(op.name))
         memo: dict = {}  # (label ranges) -> sub-operator: replicas of a part split alike
         for part in t.parts[op.name]:
             pieces = _pieces(t, b, part, label, d, memo)
@@ -282,7 +283,7 @@ def _reduced_and_used(t: Transformed, op, d: Microbatch) -> NotMicrobatchable:
         "scaled, negated or added to other losses over the batch; a value that also depends on "
         "parameters cannot be summed over micro-batches before they run, nor can a term without "
         "the batch be added to the loss once per micro-batch: use data parallelism for it "
-        "instead")
+        "instead", origin=t.graph.origin(op.name))
 
 
 def _scalar(t: Transformed, tensor: str) -> bool:
@@ -363,7 +364,7 @@ def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Micro
                     "one needs all of it: run without micro-batches (microbatches=1), or change "
                     "the model (a GroupNorm or LayerNorm for a BatchNorm)")
             raise NotMicrobatchable(f"{err.message}: micro-batches cannot split it", d.span,
-                                    hint=hint) from None
+                                    hint=hint, origin=t.graph.origin(part.op)) from None
         except SsdslError as err:
             raise _at(err, d.span) from None
     return [Part(part.op, part.index, part.replica, key, sub, part.device, part.span,
