@@ -260,8 +260,10 @@ def _samples() -> dict[str, list]:
                                        True, 0.1, 1e-5, False], {})],
         "aten.triu.default": [([r(2, 4, 4), 1], {})],
     })
+    from tests.test_ops_recurrent import SAMPLES as RECURRENT
     from tests.test_ops_user_reports import SAMPLES as REPORTED
     s.update({t: [(a, k) for a, k, _ in calls] for t, calls in REPORTED.items()})
+    s.update({t: [(a, k) for a, k, _ in calls] for t, calls in RECURRENT.items()})
     return s
 
 

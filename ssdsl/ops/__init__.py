@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from ssdsl.ops import (  # noqa: F401  (filling the registry)
     attention, convolution, creation, elementwise, embedding, fft, loss, matmul, normalization,
-    padding, pooling, reduction, replicate, shape,
+    padding, pooling, recurrent, reduction, replicate, shape,
 )
 from ssdsl.ops.annotate import annotate, call_of, label_for_name
 from ssdsl.ops.core import (
