@@ -50,6 +50,9 @@ _FALLBACK_MODEL = textwrap.dedent('''
 ''')
 
 
+_KEPT: list = []  # what a rank built, kept until it leaves (``bench_peers._KEPT``)
+
+
 def ddp_worker(model_path: str, batch_size: int, steps: int, seed: int) -> list[float]:
     """One rank of a DDP run: the time of every step on this rank, in seconds."""
     from torch.nn.parallel import DistributedDataParallel
@@ -61,6 +64,7 @@ def ddp_worker(model_path: str, batch_size: int, steps: int, seed: int) -> list[
     mf = load_model_file(model_path)
     with distributed() as ctx:
         model = DistributedDataParallel(mf.build(seed=seed).to(ctx.device))
+        _KEPT.append(model)  # freed after the group's teardown, its destructor can hang the rank
         opt = build_optimizer(OptimizerSpec("model"), mf, model.parameters())
         share = batch_size // ctx.world_size
         rows = slice(ctx.rank * share, (ctx.rank + 1) * share)

@@ -264,6 +264,13 @@ def ssdsl_worker(model_path: str, plan: str, sets: dict, steps: int, off: tuple[
     return _timed_loop(steps, mf, lambda inputs, target: pm.train_step(inputs, target))
 
 
+# What a peer's rank built, kept to the end of the process (a rank leaves by ``os._exit``): torch's
+# DDP reducer freed as the worker returns, after the process group was destroyed, ran the
+# group's destructor with the interpreter held while a gloo thread waited for it to drop a
+# tensor, and the rank hung there for good (the launcher now names such a rank).
+_KEPT: list = []
+
+
 def ddp_worker(model_path: str, steps: int) -> tuple[list[float], list[float]]:
     """One rank of DistributedDataParallel: each rank takes its contiguous rows of the batch."""
     import torch.distributed as dist
@@ -277,6 +284,7 @@ def ddp_worker(model_path: str, steps: int) -> tuple[list[float], list[float]]:
     with distributed() as ctx:
         model = DistributedDataParallel(mf.build(seed=0))
         opt = torch.optim.SGD(model.parameters(), lr=LR)
+        _KEPT.append((model, opt))
         share = mf.batch_size // ctx.world_size
         rows = slice(ctx.rank * share, (ctx.rank + 1) * share)
 
@@ -306,6 +314,7 @@ def dtensor_worker(model_path: str, steps: int) -> tuple[list[float], list[float
     with distributed() as ctx:
         model = mf.build(seed=0)
         mesh = init_device_mesh("cpu", (ctx.world_size,))
+        _KEPT.append((model, mesh))
         for block in model.h:
             parallelize_module(block, mesh, {
                 "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
@@ -368,6 +377,7 @@ def pipe_worker(model_path: str, kind: str, microbatches: int, steps: int
             cls = pp.Schedule1F1B if kind == "1f1b" else pp.ScheduleGPipe
             schedule = cls(stages[0], microbatches, loss_fn=mf.loss)
         opt = torch.optim.SGD([p for s in subs for p in s.parameters()], lr=LR)
+        _KEPT.append((schedule, stages, opt))
         holds_last = any(i == total - 1 for i in ids)
 
         def one_step(inputs, target):

@@ -115,7 +115,7 @@ def main() -> None:
         times["lower_check_programs_s"] = time.perf_counter() - t0
         cpu["lower_check_programs_s"] = time.process_time() - c0
 
-    from ssdsl.codegen import Provenance, default_jobs, generate_rank, write_programs
+    from ssdsl.codegen import Provenance, default_jobs, generate_rank, rank_order, write_programs
     t0, c0 = time.perf_counter(), time.process_time()
     kids0 = sum(getattr(resource.getrusage(resource.RUSAGE_CHILDREN), f)
                 for f in ("ru_utime", "ru_stime"))
@@ -127,7 +127,7 @@ def main() -> None:
             ranks = range(0, a.world, max(1, a.world // (a.ranks or a.world)))
             paths = write_programs(out, {f"rank{r}.py": functools.partial(
                 generate_rank, m, r, prov, programs.get(r)) for r in ranks},
-                jobs=a.jobs or default_jobs())
+                jobs=a.jobs or default_jobs(), order=rank_order(m))
             size = sum(p.stat().st_size for p in paths) / 2**20
             codegen = (f"{len(paths)} files, {size:.1f} MiB" if len(ranks) == a.world else
                        f"{len(paths)} of {a.world} files, {size:.1f} MiB (all: "

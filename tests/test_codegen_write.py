@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from ssdsl.codegen import Provenance, generate_rank, write_programs
+from ssdsl.codegen import Provenance, generate_rank, rank_order, write_programs
+from ssdsl.codegen.write import _shares
 from ssdsl.elaborate import elaborate_file
 from ssdsl.errors import SsdslError
 from ssdsl.lower import lower_plan
@@ -21,11 +22,16 @@ from tests.test_lower_classes import GPT
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this system")
 
 
-def _texts():
+def _plan():
     plan = elaborate_file("dp_tp_1f1b", world=8, sets={"dp": "2", "tp": "2", "pp": "2",
                                                         "microbatches": "2"})
     t, low = schedule_plan(trace(load_model_file(str(GPT)), device="meta"), plan)
-    m = materialize(t, schedule=low)
+    return plan, materialize(t, schedule=low)
+
+
+def _texts(m=None, plan=None):
+    if m is None:
+        plan, m = _plan()
     prov = Provenance.of(GPT, plan)
     programs = lower_plan(m).programs
     return {f"rank{p.rank}.py": functools.partial(generate_rank, m, p.rank, prov, p)
@@ -40,6 +46,41 @@ def test_forked_writers_write_the_same_files(tmp_path):
     assert [p.name for p in a] == [p.name for p in b] and len(a) == 8
     for x, y in zip(a, b):
         assert x.read_bytes() == y.read_bytes()
+
+
+def test_writers_in_rank_class_order_write_the_same_files(tmp_path):
+    plan, m = _plan()
+    texts = _texts(m, plan)
+    one, two = tmp_path / "one", tmp_path / "two"
+    a = write_programs(one, texts)
+    b = write_programs(two, texts, jobs=2, order=rank_order(m))
+    assert [p.name for p in a] == [p.name for p in b] and len(a) == 8
+    for x, y in zip(a, b):
+        assert x.read_bytes() == y.read_bytes()
+
+
+def test_each_rank_class_goes_to_one_writer():
+    # the 8 ranks of dp 2 x tp 2 x pp 2: the two stages run two schedule programs, so each
+    # writer of two takes one stage whole, and with it every class of that stage
+    plan, m = _plan()
+    texts = _texts(m, plan)
+    from ssdsl.lower.build import classes_of
+    units = classes_of(m).index.unit_group
+    key = rank_order(m)
+    shares = _shares(sorted(texts.items()), 2, key)
+    stages = [{units[int(name.removeprefix("rank").removesuffix(".py"))] for name, _ in share}
+              for share in shares]
+    assert [len(sh) for sh in shares] == [4, 4]
+    assert all(len(st) == 1 for st in stages) and stages[0] != stages[1]
+    # the files of one stem stay together, whatever the order; runs differ by one stem at most
+    items = [(f"rank{r}.{ext}", "") for r in range(7) for ext in ("py", "program")]
+    dealt = _shares(items, 3, lambda stem: -int(stem.removeprefix("rank")))
+    assert sorted(len(d) for d in dealt) == [4, 4, 6]
+    for d in dealt:
+        assert all((f"{n.split('.')[0]}.py", "") in d and (f"{n.split('.')[0]}.program", "") in d
+                   for n, _ in d)
+    assert [n for n, _ in dealt[0]] == ["rank4.py", "rank4.program", "rank5.py",
+                                        "rank5.program", "rank6.py", "rank6.program"]
 
 
 class _Refused(SsdslError):

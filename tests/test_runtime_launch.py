@@ -82,6 +82,18 @@ def stalling_worker(pid_dir: str, how: str) -> None:
         dist.all_reduce(t)
 
 
+def stopping_at_return_worker(pid_dir: str) -> int:
+    """Rank 1 stops (SIGSTOP) after its job is done, as a rank whose teardown blocks with the
+    interpreter held; rank 0 returns."""
+    _note_pid(pid_dir)
+    with distributed(timeout_s=60) as ctx:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return ctx.rank
+
+
 def _sleep_in_get_batch() -> None:
     time.sleep(3600)
 
@@ -249,6 +261,21 @@ def test_stopped_rank_is_named_by_the_watchdog(tmp_path):
     err = info.value
     assert err.rank == 1, err.render()
     assert "stopped answering" in err.render() and "SIGSTOP" in err.render()
+    assert elapsed < BOUND_S
+    _assert_all_gone(_pids(tmp_path, 2))
+
+
+def test_rank_stopped_after_its_peers_finished_is_named(tmp_path):
+    # the peers are gone, so no one waits for it: only its silence tells (a rank that blocked
+    # in a process group's destructor as its worker returned hung a job for good before)
+    start = time.monotonic()
+    with pytest.raises(RankHung) as info:
+        launch(stopping_at_return_worker, nproc=2, args=(str(tmp_path),), grace_s=1.0,
+               timeout_s=2 * BOUND_S)  # a backstop: without the watchdog it waits for this
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.rank == 1, err.render()
+    assert "stopped answering after rank 0 finished" in err.render()
     assert elapsed < BOUND_S
     _assert_all_gone(_pids(tmp_path, 2))
 

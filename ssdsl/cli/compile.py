@@ -37,7 +37,8 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ssdsl.cli._resolve import _resolve, lower_and_check
-    from ssdsl.codegen import Provenance, default_jobs, generate_rank, write_programs
+    from ssdsl.codegen import (Provenance, default_jobs, generate_rank, rank_order,
+                                write_programs)
     from ssdsl.gcpause import gc_paused
     from ssdsl.materialize.program import materialize
     from ssdsl.trace import trace
@@ -55,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         texts[f"rank{p.rank}.py"] = functools.partial(generate_rank, m, p.rank, prov, p)
         texts[f"rank{p.rank}.program"] = functools.partial(_program_file, p)
     with gc_paused(keep=True):  # the modules' shared lines live to the end as well
-        paths = write_programs(args.output, texts, jobs=args.jobs or default_jobs())
+        paths = write_programs(args.output, texts, jobs=args.jobs or default_jobs(),
+                               order=rank_order(m))
     for path in paths:
         if path.suffix == ".py":
             p = programs[int(path.stem.removeprefix("rank"))]

@@ -13,8 +13,9 @@ Modules, in the order a compile uses them:
 the phase-9 executor and is imported only by whoever executes generated code.
 """
 
-from ssdsl.codegen.emit import GENERATED_MARK, Provenance, body_digest, generate_all, generate_rank
+from ssdsl.codegen.emit import (GENERATED_MARK, Provenance, body_digest, generate_all, generate_rank,
+                                 rank_order)
 from ssdsl.codegen.write import NotGenerated, default_jobs, write_programs
 
 __all__ = ["GENERATED_MARK", "NotGenerated", "Provenance", "body_digest", "default_jobs",
-           "generate_all", "generate_rank", "write_programs"]
+           "generate_all", "generate_rank", "rank_order", "write_programs"]

@@ -437,6 +437,23 @@ def _renderings(m: Materialized) -> dict[int, list[_Done]]:
     return _RENDERED[0][1]
 
 
+def rank_order(m: Materialized):
+    """A sort key of file stems (``rank12``) that puts the ranks of one class together: by the
+    schedule program a rank runs (a class never spans two), then by its class where its program
+    was lowered already. ``write_programs(..., order=rank_order(m))`` hands each class to one
+    writing process, so each class's first module is written once, not once per process."""
+    found = classes_of(m)
+    groups, rep_of = found.index.unit_group, found.rep_of
+
+    def key(stem: str) -> tuple[int, int]:
+        digits = stem.removeprefix("rank")
+        if not digits.isdigit():
+            return (-1, -1)
+        r = int(digits)
+        return (groups.get(r, -1), rep_of.get(r, -1))
+    return key
+
+
 def generate_all(m: Materialized, prov: Provenance) -> dict[str, str]:
     """``{"rank0.py": text, ...}`` for every rank of the world."""
     return {f"rank{r}.py": generate_rank(m, r, prov) for r in range(prov.world)}

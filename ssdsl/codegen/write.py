@@ -15,6 +15,7 @@ import re
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from ssdsl.codegen.emit import GENERATED_MARK
 from ssdsl.errors import SsdslError
@@ -42,7 +43,7 @@ def default_jobs() -> int:
 
 
 def write_programs(folder: str | Path, texts: Mapping[str, str | Callable[[], str]], *,
-                   jobs: int = 1) -> list[Path]:
+                   jobs: int = 1, order: Callable[[str], Any] | None = None) -> list[Path]:
     """Write ``texts`` (file name -> module text) into ``folder``; returns the paths written.
 
     A text may be a function that makes it: it is called when its file is written and not kept,
@@ -50,7 +51,10 @@ def write_programs(folder: str | Path, texts: Mapping[str, str | Callable[[], st
     (``{"rank0.py": functools.partial(generate_rank, m, 0, prov), ...}``). With ``jobs`` > 1
     (where the system can fork) the functions run in that many forked processes, each writing
     a share of the files; the files are the same (``tests/test_codegen_write.py``), and an
-    error raised in one is raised here."""
+    error raised in one is raised here. Each process takes a run of consecutive files in
+    ``order`` (a sort key of a file's stem; default: the stems in natural order), so files
+    whose making shares work (the ranks of one class: ``rank_order``) are made by one process
+    and the shared work is done once, not once per process."""
     out = Path(folder)
     if out.exists() and not out.is_dir():
         raise NotGenerated(f"{out} exists and is not a folder",
@@ -65,7 +69,7 @@ def write_programs(folder: str | Path, texts: Mapping[str, str | Callable[[], st
                            hint="choose an empty folder, or move those files away")
     items = sorted(texts.items())
     if jobs > 1 and hasattr(os, "fork") and len(items) >= 2 * jobs:
-        written = _write_forked(out, items, jobs)
+        written = _write_forked(out, items, jobs, order)
     else:
         written = [_atomic_write(out / name, text() if callable(text) else text)
                    for name, text in items]
@@ -76,13 +80,11 @@ def write_programs(folder: str | Path, texts: Mapping[str, str | Callable[[], st
     return written
 
 
-def _write_forked(out: Path, items: list, jobs: int) -> list[Path]:
+def _write_forked(out: Path, items: list, jobs: int, order: Callable[[str], Any] | None = None
+                  ) -> list[Path]:
     """Each of ``jobs`` forked children writes its share of ``items``; a child that fails sends its
     exception back through a pipe (pickled, or its text when it does not pickle)."""
-    # the files of one stem (rank3.py, rank3.program) go to one child, the stems dealt in turn
-    stems = {stem: i for i, stem in enumerate(sorted({Path(name).stem for name, _ in items},
-                                                     key=_natural))}
-    shares = [[it for it in items if stems[Path(it[0]).stem] % jobs == k] for k in range(jobs)]
+    shares = _shares(items, jobs, order)
     children = []
     for k in range(jobs):
         read, write = os.pipe()
@@ -116,6 +118,16 @@ def _write_forked(out: Path, items: list, jobs: int) -> list[Path]:
     if failure is not None:
         raise failure
     return [out / name for name, _ in items]
+
+
+def _shares(items: list, jobs: int, order: Callable[[str], Any] | None = None) -> list[list]:
+    """``items`` dealt to ``jobs`` writers: the files of one stem (rank3.py, rank3.program) to
+    one, each a run of consecutive stems in ``order`` (then natural order), the runs' lengths
+    differing by one stem at most."""
+    ordered = sorted({Path(name).stem for name, _ in items},
+                     key=(lambda stem: (order(stem), _natural(stem))) if order else _natural)
+    stems = {stem: i * jobs // len(ordered) for i, stem in enumerate(ordered)}
+    return [[it for it in items if stems[Path(it[0]).stem] == k] for k in range(jobs)]
 
 
 def _natural(stem: str) -> tuple:

@@ -409,10 +409,18 @@ class _Job:
         busy = self.busy(beats)
         bound = max(STALE_S, _MIN_STALE_S)
         stale = [r for r, b in beats.items() if now - b.at > bound and r not in busy]
-        if stale and len(stale) < len(beats):
+        # every rank silent at once is the whole machine paused, unless some rank has finished
+        # since: the silent one stopped on its own (a destructor that blocks as the worker
+        # returns, holding the interpreter: its heartbeat thread cannot run either)
+        done = [r for r, c in enumerate(codes) if c == 0]
+        if stale and (len(stale) < len(beats) or done):
             r = stale[0]
-            self.hang(r, f"stopped answering: no heartbeat for {now - beats[r].at:.0f} s "
-                         f"(the process is stopped, e.g. by SIGSTOP, or frozen); it was "
+            after = (f" after rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} "
+                     "finished" if done and len(stale) == len(beats) else "")
+            self.hang(r, f"stopped answering{after}: no heartbeat for "
+                         f"{now - beats[r].at:.0f} s (the process is stopped, e.g. by SIGSTOP, "
+                         f"frozen, or blocked in native code that holds the interpreter, such as "
+                         f"a process group's destructor as the worker returns); it was "
                          f"{beats[r].describe()}", beats)
         waiting = {r: b for r, b in beats.items() if b.waiting_since is not None
                    and now - b.waiting_since > HANG_S}
