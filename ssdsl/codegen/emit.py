@@ -409,7 +409,15 @@ def generate_rank(m: Materialized, rank: int, prov: Provenance,
     e = _Emitter(m, program, done.get(rep), notes=_part_notes(m) if reuse else {})
     for _ in walk(e.program, e):
         raise AssertionError("the code writer never waits")
-    body = _body(e)
+    # the plan lines a class's modules cite are the same: each statement's lines come from its
+    # instruction's span and its part's, which the class key holds (``ssdsl.lower.classes``)
+    legends = _legends(m) if reuse else {}
+    legend = legends.get(rep)
+    if legend is None:
+        legend = _legend(e.stmts)
+        if reuse:
+            legends[rep] = legend
+    body = _body(e, legend)
     if rep not in done:
         k = 0
         for d in e.done:
@@ -420,6 +428,7 @@ def generate_rank(m: Materialized, rank: int, prov: Provenance,
 
 
 _RENDERED: list[tuple[Materialized, dict[int, list[_Done]]]] = []
+_LEGENDS: list[tuple[Materialized, dict[int, list[str]]]] = []
 _PART_NOTES: list[tuple[Materialized, dict[int, tuple]]] = []
 
 
@@ -428,6 +437,13 @@ def _part_notes(m: Materialized) -> dict[int, tuple]:
     if not (_PART_NOTES and _PART_NOTES[0][0] is m):
         _PART_NOTES[:] = [(m, {})]
     return _PART_NOTES[0][1]
+
+
+def _legends(m: Materialized) -> dict[int, list[str]]:
+    """The legend of the plan lines cited by each class of ``m`` (the plan written last)."""
+    if not (_LEGENDS and _LEGENDS[0][0] is m):
+        _LEGENDS[:] = [(m, {})]
+    return _LEGENDS[0][1]
 
 
 def _renderings(m: Materialized) -> dict[int, list[_Done]]:
@@ -489,12 +505,12 @@ def _header(rank: int, prov: Provenance, body: str) -> str:
         f"DIGEST = {body_digest(body)!r}\n")
 
 
-def _body(e: _Emitter) -> str:
+def _body(e: _Emitter, legend: list[str]) -> str:
     lines = [_BODY_START.lstrip("\n") + "-" * 80, "# Parameter shards this rank holds: "
              "(graph tensor, qualified name, region).", "SHARDS = ("]
     lines += [f"    {s!r}," for s in e.shards]
     lines += [")", ""]
-    lines += _legend(e.stmts)
+    lines += legend
     lines += ["", "# The program's instructions that the runtime runs as they are."]
     lines += e.consts
     lines += ["", "", "def train_step(rt, v):"]
