@@ -30,10 +30,16 @@ def ints(high: int, *shape: int) -> torch.Tensor:
 def _elementwise_samples() -> dict[str, list]:
     s: dict[str, list] = {}
     for n in UNARY:
-        x = r(4, 6, positive=n in ("log", "sqrt", "rsqrt", "log1p"))
+        x = r(4, 6, positive=n in ("log", "sqrt", "rsqrt", "log1p", "log2", "log10", "digamma",
+                                   "lgamma"))
         if n in ("logical_not", "bitwise_not"):
             x = x > 0
+        if n in ("asin", "acos", "atanh", "erfinv", "logit"):  # defined on (-1, 1) or (0, 1)
+            x = torch.sigmoid(x) * (0.9 if n == "logit" else 1.8) - (0.0 if n == "logit" else 0.9)
         s[f"aten.{n}.default"] = [([x], {})]
+    s["aten.threshold.default"] = [([r(4, 6), 0.1, -2.0], {})]
+    s["aten.softshrink.default"] = [([r(4, 6), 0.3], {})]
+    s["aten.celu.default"] = [([r(4, 6), 0.7], {})]
     s["aten.clamp.default"] = [([r(4, 6), -0.5, 0.5], {})]
     s["aten.clamp_min.default"] = [([r(4, 6), 0.0], {})]
     s["aten.clamp_max.default"] = [([r(4, 6), 0.0], {})]
@@ -259,11 +265,18 @@ def _samples() -> dict[str, list]:
                                      ([r(4, 6, 3), None, None, None, None,
                                        True, 0.1, 1e-5, False], {})],
         "aten.triu.default": [([r(2, 4, 4), 1], {})],
+        "aten.sort.default": [([r(4, 6)], {}), ([r(4, 6), 0, True], {})],
+        "aten.sort.stable": [([r(4, 6)], {"stable": True, "dim": 0})],
+        "aten.argsort.default": [([r(4, 6), -1, True], {})],
+        "aten.argsort.stable": [([r(2, 4, 6)], {"stable": True, "dim": 1})],
+        "aten.topk.default": [([r(4, 6), 3], {}), ([r(4, 6), 2, 0, False], {})],
     })
+    from tests.test_ops_losses import SAMPLES as LOSSES
     from tests.test_ops_recurrent import SAMPLES as RECURRENT
     from tests.test_ops_user_reports import SAMPLES as REPORTED
     s.update({t: [(a, k) for a, k, _ in calls] for t, calls in REPORTED.items()})
     s.update({t: [(a, k) for a, k, _ in calls] for t, calls in RECURRENT.items()})
+    s.update({t: [(a, k) for a, k, _ in calls] for t, calls in LOSSES.items()})
     return s
 
 
@@ -395,3 +408,13 @@ def test_weight_norm_splits_along_its_dim(index: int, kept: str) -> None:
     assert not isinstance(ann, NotAnnotated), ann
     assert ann.splittable() == [kept]
     check_parts(call, ann, values, equal_parts(ann, kept, 2))
+
+
+def test_a_sort_keeps_the_dim_it_orders_whole() -> None:
+    """``topk`` over experts (an MoE router) splits along the tokens, never the experts."""
+    call, values = make_call("aten.topk.default", [r(8, 6), 2])
+    ann = annotate_call(call)
+    assert sorted(ann.splittable()) == ["d0"]
+    check_parts(call, ann, values, equal_parts(ann, "d0", 4))
+    with pytest.raises(FrozenDimError, match="orders the whole dim"):
+        ann.split(call, "d1", 2, 0)

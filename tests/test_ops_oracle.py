@@ -67,7 +67,14 @@ def put(acc: torch.Tensor, region, value: torch.Tensor) -> None:
 
 
 def _float(t: torch.Tensor) -> bool:
-    return t.is_floating_point()
+    """Whether the oracle differentiates ``t``: a float tensor not marked ``constant``."""
+    return t.is_floating_point() and not getattr(t, "oracle_constant", False)
+
+
+def constant(t: torch.Tensor) -> torch.Tensor:
+    """``t`` marked as an input the op takes no gradient for (a loss's class weight)."""
+    t.oracle_constant = True
+    return t
 
 
 def operand(target: str, leaf: torch.Tensor) -> torch.Tensor:

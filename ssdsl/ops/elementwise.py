@@ -11,12 +11,19 @@ UNARY = [
     "cos", "reciprocal", "square", "erf", "log1p", "expm1", "sign", "hardtanh", "leaky_relu", "elu",
     "softplus", "clamp", "clamp_min", "clamp_max", "logical_not", "bitwise_not", "isnan",
     "hardswish", "hardsigmoid", "mish",
+    # found missing in exported models and losses (``F.logsigmoid`` in multilabel soft margin,
+    # SELU networks, ``relu6`` in mobile nets, rounding in quantization-aware code)
+    "log_sigmoid", "selu", "celu", "relu6", "log2", "log10", "exp2", "floor", "ceil", "round",
+    "trunc", "frac", "sgn", "tan", "atan", "asin", "acos", "sinh", "cosh", "asinh", "atanh",
+    "erfc", "erfinv", "digamma", "lgamma", "logit", "softshrink", "hardshrink", "threshold",
+    "nan_to_num", "signbit", "deg2rad", "rad2deg", "sinc",
 ]
 IDENTITY = ["clone", "contiguous", "alias", "detach", "_to_copy", "lift_fresh_copy",
             "dropout"]
 BINARY_TENSOR = ["add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge", "bitwise_and",
-                 "bitwise_or", "remainder", "fmod"]
-BINARY_DEFAULT = ["maximum", "minimum", "logical_and", "logical_or", "atan2", "floor_divide"]
+                 "bitwise_or", "remainder", "fmod", "xlogy", "copysign"]
+BINARY_DEFAULT = ["maximum", "minimum", "logical_and", "logical_or", "atan2", "floor_divide",
+                  "hypot", "logaddexp", "logaddexp2"]
 
 # ``torch.multiply`` / ``divide`` / ``subtract`` / ``true_divide`` keep their own names in an
 # exported graph (ConvBERT's ``torch.multiply(query, key_conv)``): aliases of mul, div, sub.

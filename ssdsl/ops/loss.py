@@ -13,8 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
+
 from ssdsl.ops.build import broadcast, dims, plain
-from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, by_extent, register
+from ssdsl.ops.core import (Annotation, Call, Factor, Interval, LocalCall, Unsplittable, by_extent,
+                            register)
 
 _MEAN, _SUM = 1, 2
 
@@ -58,18 +61,74 @@ def cross_entropy(call: Call) -> Annotation:
     return Annotation(tuple(ins), ((),), reduced=frozenset(batch), frozen=frozen, lower=lower)
 
 
-@register("aten.mse_loss.default", "aten.l1_loss.default", "aten.smooth_l1_loss.default",
-          "aten.binary_cross_entropy_with_logits.default")
+# A loss of one term per element (the inputs broadcast together), summed or averaged over all of
+# them: target -> the position of its ``reduction`` argument.
+_POINTWISE = {
+    "aten.mse_loss.default": 2, "aten.l1_loss.default": 2, "aten.smooth_l1_loss.default": 2,
+    "aten.huber_loss.default": 2, "aten.soft_margin_loss.default": 2,
+    "aten.kl_div.default": 2,  # F.kl_div's "batchmean" is its sum divided by the batch after it
+    "aten.binary_cross_entropy.default": 3, "aten.hinge_embedding_loss.default": 3,
+    "aten.margin_ranking_loss.default": 4,
+    "aten.binary_cross_entropy_with_logits.default": 4,
+    "aten.poisson_nll_loss.default": 5,
+}
+
+
+@register(*_POINTWISE)
 def pointwise_loss(call: Call) -> Annotation:
-    x = call.shape(0, "self")
+    # every tensor argument (input, target, a weight: ``pos_weight`` of (C,) against (N, C))
+    # broadcast to their common shape, each read at its own shape, a dim broadcast from 1 whole
+    # by every part
+    x = tuple(torch.broadcast_shapes(*call.in_shapes))
     labels = dims(len(x))
-    # the target and any weight broadcast to the input's shape (``pos_weight`` of (C,) against
-    # (N, C)): each read at its own shape, a dim broadcast from 1 whole by every part
     ins, sig = broadcast(call.in_shapes, x)
-    reduction = call.arg(2, "reduction", _MEAN)
-    if call.op.target == "aten.binary_cross_entropy_with_logits.default":
-        reduction = call.arg(4, "reduction", _MEAN)
+    reduction = call.arg(_POINTWISE[call.op.target], "reduction", _MEAN)
     if reduction == 0:
         return Annotation(ins, (sig,))
     lower = by_extent(lambda c, a, r, args, kw: _share(c, a, r, args, kw, reduction))
     return Annotation(ins, ((),), reduced=frozenset(labels), lower=lower)
+
+
+# A loss of one term per sample that reads each sample's features (or classes) together:
+# target -> (the tensor arguments that hold samples x features, the position of ``reduction``,
+# why the features stay whole). The mean is over the samples.
+_PER_SAMPLE = {
+    "aten.cosine_embedding_loss.default": (2, 4, "the cosine of a pair normalizes over its "
+                                                 "features"),
+    "aten.triplet_margin_loss.default": (3, 7, "a triplet's distances are norms over its "
+                                               "features"),
+    "aten.multi_margin_loss.default": (1, 5, "each sample's margins compare all its classes "
+                                             "with its target's"),
+    "aten.multilabel_margin_loss.default": (2, 2, "each sample's margins compare its target "
+                                                  "classes with all the others"),
+}
+
+
+@register(*_PER_SAMPLE)
+def per_sample_loss(call: Call) -> Annotation:
+    n_features, at, why = _PER_SAMPLE[call.op.target]
+    shapes = call.in_shapes
+    first = shapes[0]
+    if len(first) not in (1, 2) or any(tuple(s) != tuple(first) for s in shapes[1:n_features]):
+        raise Unsplittable(f"{call.op.target} of inputs {[tuple(s) for s in shapes]}: expected "
+                           "(samples, features) or (features,) alike")
+    batched = len(first) == 2
+    feat = ((Factor("C", first[-1]),),)
+    row = ((Factor("N", first[0]),),) if batched else ()
+    ins: list = [row + feat] * n_features
+    for s in shapes[n_features:]:  # a target per sample, or a class weight after it
+        if tuple(s) == (first[-1],) and call.op.target == "aten.multi_margin_loss.default" \
+                and len(ins) > n_features:
+            ins.append(feat)
+        elif batched and tuple(s) == (first[0],) or not batched and tuple(s) == ():
+            ins.append(row)
+        else:
+            raise Unsplittable(f"{call.op.target}: an argument of shape {tuple(s)} against "
+                               f"inputs of {tuple(first)}")
+    frozen = {"C": why}
+    reduction = call.arg(at, "reduction", _MEAN)
+    if reduction == 0:
+        return Annotation(tuple(ins), (row,), frozen=frozen)
+    lower = by_extent(lambda c, a, r, args, kw: _share(c, a, r, args, kw, reduction))
+    return Annotation(tuple(ins), ((),), reduced=frozenset({"N"} if batched else ()),
+                      frozen=frozen, lower=lower)

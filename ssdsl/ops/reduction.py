@@ -104,3 +104,30 @@ def diff(call: Call) -> Annotation:
     out_labels = [*labels[:d], "o", *labels[d + 1:]]
     frozen = {labels[d]: "differences cross part boundaries", "o": "differences along it"}
     return Annotation(tuple(ins), (plain(out_labels, out),), frozen=frozen)
+
+
+@register("aten.sort.default", "aten.sort.stable", "aten.argsort.default", "aten.argsort.stable",
+          "aten.topk.default")
+def sort(call: Call) -> Annotation:
+    """A sort (``sort``, ``argsort``) or ``topk`` along one dim orders the whole dim: it is
+    frozen; the other dims are independent (each row sorted by itself: MoE routing's
+    ``topk`` over experts, a sampler's ``sort`` over the vocabulary). ``topk``'s ``k`` results
+    are a dim of its own."""
+    shape = call.in_shapes[0]
+    target = call.op.target
+    if target.endswith(".stable"):  # sort(self, *, stable, dim=-1, descending=False)
+        d = call.arg(len(call.op.args), "dim", -1)
+    else:  # sort/argsort(self, dim=-1, ...), topk(self, k, dim=-1, ...)
+        d = call.arg(2 if target == "aten.topk.default" else 1, "dim", -1)
+    d = norm_dim(d, len(shape)) if shape else 0
+    labels = dims(len(shape))
+    ins = plain(labels, shape)
+    frozen = {labels[d]: f"{call.op.kind} orders the whole dim"} if shape else {}
+    outs = []
+    for out in call.out_shapes:
+        if tuple(out) == tuple(shape):
+            outs.append(plain(labels, out))
+        else:  # topk's k of the dim
+            outs.append(plain([*labels[:d], "k", *labels[d + 1:]], out))
+            frozen["k"] = f"{call.op.kind}'s results, picked from the whole dim"
+    return Annotation((ins,), tuple(outs), frozen=frozen)

@@ -315,7 +315,7 @@ def repeat_interleave(call: Call) -> Annotation:
     merged dim ``(n r)`` with the copy innermost (``out[j * r + c] = x[j]``; GPT-J's rotary
     tables). The copies are generated, every dim of ``x`` flows through. Without ``dim`` the
     input is flattened first: not annotated."""
-    (src,), (dst,) = call.in_shapes, call.out_shapes
+    (src,), (_dst,) = call.in_shapes, call.out_shapes
     dim, r = call.arg(2, "dim"), call.arg(1, "repeats")
     if dim is None or not isinstance(r, int):
         raise Unsplittable("repeat_interleave over the flattened input")
