@@ -270,7 +270,50 @@ def _samples() -> dict[str, list]:
         "aten.argsort.default": [([r(4, 6), -1, True], {})],
         "aten.argsort.stable": [([r(2, 4, 6)], {"stable": True, "dim": 1})],
         "aten.topk.default": [([r(4, 6), 3], {}), ([r(4, 6), 2, 0, False], {})],
+        "aten.std.dim": [([r(4, 6), [1]], {}), ([r(4, 6), [0], True, True], {})],
+        "aten.var.dim": [([r(2, 4, 6), [1], False], {})],
+        "aten.var_mean.dim": [([r(2, 4, 6), [1]], {})],
+        "aten.var_mean.correction": [([r(4, 6), [1]], {"correction": 0, "keepdim": True})],
+        "aten.std_mean.dim": [([r(4, 6), [0]], {})],
+        "aten.std_mean.correction": [([r(4, 6), [1]], {"correction": 1})],
+        "aten.cumprod.default": [([r(4, 6), 1], {})],
+        "aten.logcumsumexp.default": [([r(4, 6), 0], {})],
+        "aten.cosine_similarity.default": [([r(4, 6), r(4, 6, seed=1)], {}),
+                                           ([r(2, 4, 6), r(4, 6, seed=1), 2], {})],
+        "aten.pairwise_distance.default": [([r(4, 6), r(4, 6, seed=1)], {}),
+                                           ([r(4, 6), r(6, seed=1), 1.0, 1e-6, True], {})],
+        "aten.flip.default": [([r(4, 6), [1]], {}), ([r(2, 4, 6), [0, 2]], {})],
+        "aten.movedim.int": [([r(2, 4, 6), 0, -1], {}), ([r(2, 4, 6), 2, 0], {})],
+        "aten.narrow.default": [([r(4, 6), 1, 1, 3], {}), ([r(4, 6), 0, 0, 4], {})],
+        "aten.unfold.default": [([r(4, 6), 1, 2, 2], {}), ([r(2, 4, 6), 2, 3, 1], {})],
+        "aten.outer.default": [([r(4), r(6, seed=1)], {})],
+        "aten.one_hot.default": [([ints(5, 4, 3), 5], {})],
+        "aten.index_select.default": [([r(4, 6), 1, torch.tensor([0, 2, 5, 2])], {}),
+                                      ([r(4, 6), 0, torch.tensor([3, 1])], {})],
+        "aten.pixel_shuffle.default": [([r(2, 8, 3, 3), 2], {})],
+        "aten.pixel_unshuffle.default": [([r(2, 2, 4, 4), 2], {})],
+        "aten.glu.default": [([r(4, 6)], {}), ([r(4, 6), 0], {})],
+        "aten.prelu.default": [([r(2, 3, 4), r(3, seed=1)], {}), ([r(2, 3, 4), r(1, seed=1)], {})],
+        "aten.instance_norm.default": [([r(2, 3, 4, 4), r(3, seed=1), r(3, seed=2), None, None,
+                                         True, 0.1, 1e-5, False], {}),
+                                        ([r(2, 3, 5), None, None, None, None, True, 0.1, 1e-5,
+                                          False], {})],
     })
+    big, line, cube = r(2, 3, 4, 4), r(2, 3, 5), r(1, 2, 2, 3, 3)
+    for name, x, vec, default in [
+            ("upsample_nearest1d", line, [None, [2.0]], [[10]]),
+            ("upsample_nearest2d", big, [None, [2.0, 2.0]], [[8, 6]]),
+            ("upsample_nearest3d", cube, [None, [2.0, 2.0, 2.0]], [[4, 6, 6]]),
+            ("_upsample_nearest_exact1d", line, [[8], None], [[8]]),
+            ("_upsample_nearest_exact2d", big, [None, [1.5, 2.0]], [[6, 8]]),
+            ("_upsample_nearest_exact3d", cube, [[3, 4, 4], None], [[3, 4, 4]]),
+            ("upsample_linear1d", line, [[9], False, None], [[9], True]),
+            ("upsample_bilinear2d", big, [None, True, [2.0, 2.0]], [[8, 6], False]),
+            ("upsample_bicubic2d", big, [[6, 6], False, None], [[6, 7], True]),
+            ("upsample_trilinear3d", cube, [[3, 4, 4], False, None], [[4, 5, 5], True]),
+            ("_upsample_bilinear2d_aa", r(2, 3, 8, 8), [[4, 4], False, None], [[4, 5], False])]:
+        s[f"aten.{name}.vec"] = [([x, *vec], {})]
+        s[f"aten.{name}.default"] = [([x, *default], {})]
     from tests.test_ops_losses import SAMPLES as LOSSES
     from tests.test_ops_recurrent import SAMPLES as RECURRENT
     from tests.test_ops_user_reports import SAMPLES as REPORTED

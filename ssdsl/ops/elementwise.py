@@ -3,7 +3,7 @@ is spatial; an input dim broadcast from size 1 is read whole by every part."""
 
 from __future__ import annotations
 
-from ssdsl.ops.build import broadcast, dims, plain
+from ssdsl.ops.build import broadcast, dims, norm_dim, plain
 from ssdsl.ops.core import Annotation, Call, register
 
 UNARY = [
@@ -102,3 +102,28 @@ def broadcast_tensors(call: Call) -> Annotation:
     common = call.out_shapes[0]
     ins, sig = broadcast(call.in_shapes, common)
     return Annotation(ins, tuple(sig for _ in call.out_shapes))
+
+
+@register("aten.glu.default")
+def glu(call: Call) -> Annotation:
+    """``F.glu(x, dim)``: the first half of ``dim`` gated by the second, that dim whole; the
+    other dims independent."""
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    d = norm_dim(call.arg(1, "dim", -1), len(src))
+    labels = dims(len(src))
+    why = "each output gates its value with the element half the dim away"
+    return Annotation((plain(labels, src),), (plain([*labels[:d], "h", *labels[d + 1:]], dst),),
+                      frozen={labels[d]: why, "h": why})
+
+
+@register("aten.prelu.default")
+def prelu(call: Call) -> Annotation:
+    """``F.prelu(x, weight)``: elementwise; a weight of one slope per channel (dim 1) splits
+    with the channels, a single slope is read whole."""
+    x, w = call.in_shapes
+    labels = dims(len(x))
+    if len(w) == 1 and len(x) >= 2 and w[0] == x[1] and w[0] > 1:
+        w_sig = plain([labels[1]], w)
+    else:
+        w_sig = plain([f"w{k}" for k in range(len(w))], w)
+    return Annotation((plain(labels, x), w_sig), (plain(labels, x),))

@@ -76,3 +76,21 @@ def weight_norm(call: Call) -> Annotation:
         g_sig = plain([f"one{k}" for k in range(len(g))], g)
         frozen.update({f"one{k}": "weight norm's scale" for k in range(len(g))})
     return Annotation((plain(labels, v), g_sig), (plain(labels, v),), frozen=frozen)
+
+
+@register("aten.instance_norm.default")
+def instance_norm(call: Call) -> Annotation:
+    """``F.instance_norm``: each sample's channel normalized over its positions; batch and
+    channels split (the weight, bias and running statistics per channel with them), positions
+    whole. Running statistics updated in training average over the batch: then the batch is
+    whole too."""
+    x = call.shape(0, "input")
+    labels = dims(len(x))
+    why = "instance normalization takes its statistics over the positions"
+    frozen = {lab: why for lab in labels[2:]}
+    tracks = call.arg(3, "running_mean") is not None and bool(call.arg(5, "use_input_stats"))
+    if tracks:
+        frozen[labels[0]] = "the running statistics average over the batch"
+    per_channel = ((Factor(labels[1], x[1]),),)
+    ins = [plain(labels, x)] + [per_channel] * (len(call.op.inputs) - 1)
+    return Annotation(tuple(ins), (plain(labels, x),), frozen=frozen)

@@ -60,3 +60,28 @@ def batch_norm(call: Call) -> Annotation:
     per_channel = ((Factor(labels[1], x[1]),),)
     ins = [plain(labels, x)] + [per_channel] * (len(call.op.inputs) - 1)
     return Annotation(tuple(ins), (plain(labels, x),), frozen=frozen)
+
+
+_RESAMPLE = {f"aten.{name}.{overload}": n
+             for name, n in (("upsample_nearest1d", 1), ("upsample_nearest2d", 2),
+                             ("upsample_nearest3d", 3), ("_upsample_nearest_exact1d", 1),
+                             ("_upsample_nearest_exact2d", 2), ("_upsample_nearest_exact3d", 3),
+                             ("upsample_linear1d", 1), ("upsample_bilinear2d", 2),
+                             ("upsample_bicubic2d", 2), ("upsample_trilinear3d", 3),
+                             ("_upsample_bilinear2d_aa", 2))
+             for overload in ("vec", "default")}
+
+
+@register(*_RESAMPLE)
+def resample(call: Call) -> Annotation:
+    """``F.interpolate`` (nearest, linear, bilinear, bicubic, trilinear; a U-Net's or an FPN's
+    upsampling): batch and channels split, the resampled positions whole (each output position
+    reads neighbouring input positions)."""
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    n = _RESAMPLE[call.op.target]
+    lead, pooled = _split_sigs(src, n)
+    outs = plain(lead + [f"o{k}" for k in range(n)], dst)
+    why = "resampling reads neighbouring positions"
+    frozen = {lab: why for lab in (*pooled, *(f"o{k}" for k in range(n)))}
+    return Annotation((plain(lead + pooled, src),), (outs,), frozen=frozen,
+                      windows=frozenset(pooled))

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ssdsl.ops.build import dims, norm_dim, plain
-from ssdsl.ops.core import Annotation, Call, Factor, Interval, LocalCall, by_extent, register
+import torch
+
+from ssdsl.ops.build import broadcast, dims, norm_dim, plain
+from ssdsl.ops.core import (Annotation, Call, Factor, Interval, LocalCall, Unsplittable, by_extent,
+                            register)
 
 
 def _reduce_sigs(shape, reduced_dims, keepdim: bool):
@@ -54,7 +57,9 @@ def _mean_lower(call: Call, ann: Annotation, ranges: Mapping[str, Interval], arg
 @register("aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.mean.default",
           "aten.amax.default", "aten.amin.default", "aten.max.dim", "aten.min.dim",
           "aten.argmax.default", "aten.logsumexp.default", "aten.var.correction",
-          "aten.std.correction", "aten.norm.ScalarOpt_dim", "aten.prod.dim_int",
+          "aten.std.correction", "aten.var.dim", "aten.std.dim", "aten.var_mean.dim",
+          "aten.var_mean.correction", "aten.std_mean.dim", "aten.std_mean.correction",
+          "aten.norm.ScalarOpt_dim", "aten.prod.dim_int",
           "aten.all.dim", "aten.any.dim", "aten.linalg_vector_norm.default")
 def reduce(call: Call) -> Annotation:
     (shape,) = call.in_shapes[:1]
@@ -64,7 +69,9 @@ def reduce(call: Call) -> Annotation:
     else:
         red = _reduced_dims(call, shape)
         keep = bool(call.arg(_dim_pos(call) + 1, "keepdim", False))
-    if target in ("aten.var.correction", "aten.std.correction"):
+    if target.split(".")[1] in ("var", "std", "var_mean", "std_mean") \
+            and not target.endswith(".default"):
+        # (self, dim, unbiased, keepdim) or (self, dim, *, correction, keepdim)
         keep = bool(call.op.kwargs_dict.get("keepdim", call.arg(3, "keepdim", False)))
     ins, out, labels = _reduce_sigs(shape, red, keep)
     outs = (out,) * len(call.op.outputs)
@@ -82,14 +89,43 @@ def _keep(call: Call, ann: Annotation, ranges, args: tuple, kwargs: dict) -> Loc
 
 
 @register("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int",
-          "aten._log_softmax.default", "aten.cumsum.default")
+          "aten._log_softmax.default", "aten.cumsum.default", "aten.cumprod.default",
+          "aten.logcumsumexp.default")
 def softmax(call: Call) -> Annotation:
     (shape,) = call.in_shapes
     d = norm_dim(call.arg(1, "dim"), len(shape))
     labels = dims(len(shape))
     name = call.op.kind
+    how = "accumulates" if name in ("cumsum", "cumprod", "logcumsumexp") else "normalizes"
     return Annotation((plain(labels, shape),), (plain(labels, shape),),
-                      frozen={labels[d]: f"{name} normalizes along it"})
+                      frozen={labels[d]: f"{name} {how} along it"})
+
+
+@register("aten.cosine_similarity.default", "aten.pairwise_distance.default")
+def pairwise(call: Call) -> Annotation:
+    """``F.cosine_similarity(x1, x2, dim)``, ``F.pairwise_distance(x1, x2)`` (over the last
+    dim): the inputs broadcast together, the compared dim whole (a cosine normalizes over it,
+    a distance is a norm of it), every other dim independent (CLIP's similarity per pair)."""
+    shapes = call.in_shapes
+    (out,) = call.out_shapes
+    full = tuple(torch.broadcast_shapes(*shapes))
+    if call.op.target == "aten.cosine_similarity.default":
+        d, keep = norm_dim(call.arg(2, "dim", 1), len(full)), False
+    else:
+        d, keep = len(full) - 1, bool(call.arg(4, "keepdim", False))
+    if not full:
+        raise Unsplittable(f"{call.op.kind} of 0-dim tensors")
+    ins, sig = broadcast(shapes, full)
+    labels = dims(len(full))
+    kept = [lab for k, lab in enumerate(labels) if k != d]
+    outs = list(plain(kept, [full[k] for k in range(len(full)) if k != d]))
+    if keep:
+        outs.insert(d, (Factor("kept", 1),))
+    if tuple(f[0].size for f in outs) != tuple(out):
+        raise Unsplittable(f"{call.op.kind}: output {tuple(out)} against inputs {shapes}")
+    name = call.op.kind
+    return Annotation(ins, (tuple(outs),),
+                      frozen={labels[d]: f"{name} compares the whole dim"})
 
 
 @register("aten.diff.default")

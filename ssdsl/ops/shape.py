@@ -400,3 +400,119 @@ def gather(call: Call) -> Annotation:
                            labels[k]: "the index reads only the first entries of the input"})
     return Annotation((plain(x_labels, src), plain(labels, idx)), (plain(labels, idx),),
                       frozen=frozen)
+
+
+@register("aten.flip.default")
+def flip(call: Call) -> Annotation:
+    """``x.flip(dims)``: the flipped dims whole (a part's output comes from the mirrored part of
+    the input), the others pass through."""
+    (src,) = call.in_shapes
+    labels = dims(len(src))
+    flipped = {norm_dim(d, len(src)) for d in call.arg(1, "dims")}
+    return Annotation((plain(labels, src),), (plain(labels, src),),
+                      frozen={labels[d]: "flipped: a part's output is the mirrored part's input"
+                              for d in flipped})
+
+
+@register("aten.movedim.int")
+def movedim(call: Call) -> Annotation:
+    """``x.movedim(source, destination)``: a permutation of the dims."""
+    (src,) = call.in_shapes
+    n = len(src)
+    labels = dims(n)
+    a, b = norm_dim(call.arg(1, "source"), n), norm_dim(call.arg(2, "destination"), n)
+    order = [k for k in range(n) if k != a]
+    order.insert(b, a)
+    return Annotation((plain(labels, src),),
+                      (plain([labels[k] for k in order], [src[k] for k in order]),))
+
+
+@register("aten.narrow.default")
+def narrow(call: Call) -> Annotation:
+    """``x.narrow(dim, start, length)``: the narrowed dim whole (as a slice of part of a dim),
+    the others pass through; narrowing nothing away passes everything."""
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    d = norm_dim(call.arg(1, "dim"), len(src))
+    labels = dims(len(src))
+    if tuple(src) == tuple(dst):  # a part narrows its own extent: all of it
+        return Annotation((plain(labels, src),), (plain(labels, dst),), lower=_lower_full_narrow)
+    out_labels = [*labels[:d], "b", *labels[d + 1:]]
+    why = f"narrowed ({dst[d]} of {src[d]}): a part of a dim keeps it whole"
+    return Annotation((plain(labels, src),), (plain(out_labels, dst),),
+                      frozen={labels[d]: why, "b": why})
+
+
+@by_extent
+def _lower_full_narrow(call: Call, ann: Annotation, ranges: Mapping[str, Interval], args: tuple,
+                       kwargs: dict) -> LocalCall:
+    (src,) = call.in_shapes
+    d = norm_dim(call.arg(1, "dim"), len(src))
+    size = math.prod(stop - start for start, stop in
+                     (ranges.get(f.label, (0, f.size)) for f in ann.inputs[0][d]))
+    args, items = set_arg(args, kwargs, 2, "start", 0)
+    args, items = set_arg(args, dict(items), 3, "length", size)
+    return LocalCall(call.op.target, args, items)
+
+
+@register("aten.unfold.default")
+def unfold(call: Call) -> Annotation:
+    """``x.unfold(dim, size, step)``: windows of one dim (its window count in its place, each
+    window's positions last), that dim whole; the other dims pass through."""
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    d = norm_dim(call.arg(1, "dimension"), len(src)) if src else 0
+    labels = dims(len(src))
+    if not src:
+        raise Unsplittable("unfold of a 0-dim tensor")
+    out_labels = [*labels[:d], "w", *labels[d + 1:], "s"]
+    why = "windows overlap or span neighbouring positions"
+    return Annotation((plain(labels, src),), (plain(out_labels, dst),),
+                      frozen={labels[d]: why, "w": why, "s": why}, windows=frozenset({labels[d]}))
+
+
+@register("aten.outer.default")
+def outer(call: Call) -> Annotation:
+    """``torch.outer(a, b)``: every product, both dims independent (a rotary table's
+    ``outer(positions, frequencies)``)."""
+    (n,), (m,) = call.in_shapes
+    return Annotation((plain(["i"], (n,)), plain(["j"], (m,))), (plain(["i", "j"], (n, m)),))
+
+
+@register("aten.one_hot.default")
+def one_hot(call: Call) -> Annotation:
+    """``F.one_hot(labels, classes)``: each label's row of its own; the classes are made whole
+    by every part."""
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    labels = dims(len(src))
+    return Annotation((plain(labels, src),), (plain([*labels, "k"], dst),),
+                      frozen={"k": "one-hot classes: each part makes them all"})
+
+
+@register("aten.index_select.default")
+def index_select(call: Call) -> Annotation:
+    """``x.index_select(dim, index)``: the indexed dim of ``x`` read whole (rows picked by
+    value); the index's positions, and every other dim, split (each part picks its own)."""
+    src, idx = call.in_shapes
+    (dst,) = call.out_shapes
+    d = norm_dim(call.arg(1, "dim"), len(src)) if src else 0
+    labels = dims(len(src))
+    if not src or len(idx) != 1:
+        raise Unsplittable("index_select of a 0-dim tensor")
+    x_labels = [*labels[:d], "a", *labels[d + 1:]]
+    out_labels = [*labels[:d], "i", *labels[d + 1:]]
+    return Annotation((plain(x_labels, src), plain(["i"], idx)), (plain(out_labels, dst),),
+                      frozen={"a": "rows picked by value: any part may need any row"},
+                      windows=frozenset({"a"}))
+
+
+@register("aten.pixel_shuffle.default", "aten.pixel_unshuffle.default")
+def pixel_shuffle(call: Call) -> Annotation:
+    """``F.pixel_shuffle(x, r)`` and its inverse: channels and positions exchanged; the leading
+    (batch) dims pass through, channels and positions whole."""
+    (src,), (dst,) = call.in_shapes, call.out_shapes
+    if len(src) < 3:
+        raise Unsplittable(f"{call.op.kind} of a {len(src)}-dim tensor")
+    lead = dims(len(src) - 3)
+    why = "channels and positions are exchanged across it"
+    return Annotation((plain(lead + ["c", "h", "w"], src),),
+                      (plain(lead + ["C", "H", "W"], dst),),
+                      frozen={lab: why for lab in ("c", "h", "w", "C", "H", "W")})
