@@ -299,6 +299,15 @@ def _samples() -> dict[str, list]:
                                         ([r(2, 3, 5), None, None, None, None, True, 0.1, 1e-5,
                                           False], {})],
     })
+    s.update({
+        "aten.conv_transpose1d.default": [([r(2, 4, 5), r(4, 3, 3), r(3)], {}),
+                                          ([r(2, 4, 5), r(4, 3, 2), None, [2]], {})],
+        "aten.conv_transpose2d.input": [([r(2, 4, 3, 3), r(4, 6, 2, 2), r(6), [2, 2]], {}),
+                                        ([r(2, 4, 3, 3), r(4, 3, 3, 3), None, [1, 1], [1, 1],
+                                          [0, 0], 2], {})],  # 2 groups
+        "aten.conv_transpose3d.input": [([r(1, 2, 2, 2, 2), r(2, 4, 2, 2, 2), r(4), [2, 2, 2]],
+                                         {})],
+    })
     big, line, cube = r(2, 3, 4, 4), r(2, 3, 5), r(1, 2, 2, 3, 3)
     for name, x, vec, default in [
             ("upsample_nearest1d", line, [None, [2.0]], [[10]]),

@@ -1,6 +1,6 @@
 """Models built of operators that had no annotation (each replicated behind an all-gather under
 data parallelism, and refused under micro-batches): a small U-Net (instance norm, PReLU,
-bilinear and nearest upsampling, pixel shuffle), a gated text encoder (GLU, flip, cumulative
+a transposed convolution, bilinear and nearest upsampling, pixel shuffle), a gated text encoder (GLU, flip, cumulative
 product, standard deviation, cosine similarity, ``index_select``, ``topk``, ``one_hot``) and
 its losses.
 
@@ -34,6 +34,7 @@ class UNet(nn.Module):
         self.norm = nn.InstanceNorm2d(8, affine=True)
         self.act = nn.PReLU(8)
         self.mid = nn.Conv2d(8, 8, 3, padding=1)
+        self.deconv = nn.ConvTranspose2d(8, 8, 2, stride=2)
         self.up = nn.Conv2d(16, 12, 3, padding=1)
         self.shuffle = nn.PixelShuffle(2)
         self.out = nn.Conv2d(3, 3, 1)
@@ -42,7 +43,8 @@ class UNet(nn.Module):
         skip = self.act(self.norm(self.down(x)))
         y = F.max_pool2d(skip, 2)
         y = F.relu6(self.mid(y))
-        y = F.interpolate(y, scale_factor=2, mode="bilinear", align_corners=False)
+        y = self.deconv(y) + F.interpolate(y, scale_factor=2, mode="bilinear",
+                                           align_corners=False)
         y = self.up(torch.cat([y, skip], 1))
         y = F.interpolate(self.shuffle(y), size=(8, 8), mode="nearest")
         return self.out(y)
@@ -135,3 +137,18 @@ def test_data_parallel_moves_no_activation(tmp_path, name, capsys):
     comm = json.loads(capsys.readouterr().out)["communication"]
     assert comm["forward"] == {} and comm["backward"] == {}, comm
     assert comm["edges"] == [], comm
+
+
+def test_a_transposed_convolution_counts_its_multiply_adds():
+    """Each input element meets each kernel element once for each output channel: N Ci H W
+    Co kh kw multiply-adds (the count the cost model and the stage cut read)."""
+    import torch
+
+    from ssdsl.ops import annotate_call
+    from ssdsl.ops.macs import multiply_adds
+    from tests.test_ops_oracle import make_call
+
+    call, _ = make_call("aten.conv_transpose2d.input",
+                        [torch.randn(2, 4, 3, 5), torch.randn(4, 6, 2, 3), None, [2, 2]])
+    ann = annotate_call(call)
+    assert multiply_adds("conv_transpose2d", ann.sizes()) == 2 * 4 * 3 * 5 * 6 * 2 * 3

@@ -36,7 +36,8 @@ import attrs
 
 from ssdsl.ir.graph import Graph, Op
 from ssdsl.ops import Annotation
-from ssdsl.ops.macs import ATTENTION, CONVOLUTIONS, MATMULS, aten_name, multiply_adds
+from ssdsl.ops.macs import (ATTENTION, CONVOLUTIONS, MATMULS, TRANSPOSED, aten_name,
+                             multiply_adds)
 from ssdsl.transform.parts import Part
 
 VIEW_KINDS = frozenset({
@@ -106,6 +107,14 @@ def conv_work(c: OpContext) -> Work:
     # the iteration space: batch, groups, output and input channels per group, output positions,
     # kernel offsets (``ssdsl.ops.macs``)
     flops = 2.0 * multiply_adds("convolution", c.sizes)
+    moved = sum(c.in_bytes) + sum(c.out_bytes)
+    return Work(flops, moved, 2 * flops, 2 * moved, matmul=True)
+
+
+@cost_rule(*TRANSPOSED)
+def conv_transpose_work(c: OpContext) -> Work:
+    # batch, channels, input positions, kernel offsets (``ssdsl.ops.macs``)
+    flops = 2.0 * multiply_adds("conv_transpose2d", c.sizes)
     moved = sum(c.in_bytes) + sum(c.out_bytes)
     return Work(flops, moved, 2 * flops, 2 * moved, matmul=True)
 

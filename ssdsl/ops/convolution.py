@@ -112,3 +112,39 @@ def im2col(call: Call) -> Annotation:
     ins = (*lead, (Factor("C", c),), (Factor("h0", x[-2]),), (Factor("h1", x[-1]),))
     outs = (*lead, (Factor("C", c), Factor("k", kernel)), (Factor("L", out[-1]),))
     return Annotation((ins,), (outs,), frozen=frozen, windows=frozenset({"h0", "h1"}))
+
+
+@register("aten.conv_transpose1d.default", "aten.conv_transpose2d.input",
+          "aten.conv_transpose3d.input")
+def conv_transpose(call: Call) -> Annotation:
+    """A transposed convolution (a decoder's or a U-Net's learned upsampling): the batch split;
+    with one group, the output channels split (the weight's second dim and the bias with them)
+    and the input channels give partial sums, as a convolution's; the positions whole (each
+    output position gathers from several input positions); grouped channels whole."""
+    x, w = call.shape(0, "input"), call.shape(1, "weight")
+    nsp = len(w) - 2
+    groups = call.arg(6, "groups", 1)
+    (out,) = call.out_shapes
+    batched = len(x) == nsp + 2
+    lead = [(Factor("N", x[0]),)] if batched else []
+    why = "a transposed convolution's output positions gather from neighbouring inputs"
+    frozen = {f"{p}{k}": why for k in range(nsp) for p in ("h", "o")}
+    frozen.update({f"k{k}": "a kernel dim" for k in range(nsp)})
+    x_sp = [(Factor(f"h{k}", x[-nsp + k]),) for k in range(nsp)]
+    w_sp = [(Factor(f"k{k}", w[2 + k]),) for k in range(nsp)]
+    o_sp = [(Factor(f"o{k}", out[-nsp + k]),) for k in range(nsp)]
+    cin, cout = x[-nsp - 1], out[-nsp - 1]
+    x_c, w_i, w_o, o_c = ((Factor("Ci", cin),), (Factor("Ci", cin),), (Factor("Co", w[1]),),
+                          (Factor("Co", cout),))
+    reduced = frozenset({"Ci"})
+    if groups != 1:
+        x_c = w_i = (Factor("Ci", cin),)
+        w_o, o_c = (Factor("Cw", w[1]),), (Factor("Co", cout),)
+        reduced = frozenset()
+        frozen.update(Ci="grouped channels", Cw="grouped channels", Co="grouped channels")
+    ins = [(*lead, x_c, *x_sp), (w_i, w_o, *w_sp)]
+    if call.arg(2, "bias") is not None:
+        ins.append((o_c,))
+    return Annotation(tuple(ins), ((*lead, o_c, *o_sp),), reduced=reduced, frozen=frozen,
+                      words=CHANNEL_WORDS, lower=_lower_conv,
+                      windows=frozenset(f"h{k}" for k in range(nsp)))

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 MATMULS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum"})
 CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "convolution"})
+TRANSPOSED = frozenset({"conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
 ATTENTION = "scaled_dot_product_attention"
 
 
@@ -37,7 +38,8 @@ def multiply_adds(kind: str, sizes: Mapping[str, int]) -> float | tuple[float, f
 
     A matmul's is the product of its labels (``M N K`` with batch dims). A convolution's leaves
     out its input positions (``h0``, ``h1``...: each output position reads a window of them),
-    keeping the output positions and the kernel offsets. An attention's labels are grouped by
+    keeping the output positions and the kernel offsets; a transposed convolution's leaves out
+    its output positions (``o0``...: each input position writes a window of them). An attention's labels are grouped by
     root (a label split in pieces, ``E.0``, ``E.1``, counts as their product): queries ``L``,
     keys ``S``, head dim ``E``, value dim ``Ev``, the rest batch dims (mask dims, ``m...``,
     excepted)."""
@@ -46,6 +48,9 @@ def multiply_adds(kind: str, sizes: Mapping[str, int]) -> float | tuple[float, f
     if kind in CONVOLUTIONS:
         return float(math.prod(v for k, v in sizes.items()
                                if not (k[:1] == "h" and k[1:].isdigit())))
+    if kind in TRANSPOSED:  # each input position scatters a kernel's window of outputs
+        return float(math.prod(v for k, v in sizes.items()
+                               if not (k[:1] == "o" and k[1:].isdigit())))
     if kind != ATTENTION:
         return None
     dims: dict[str, int] = {}
