@@ -308,6 +308,20 @@ def _samples() -> dict[str, list]:
         "aten.conv_transpose3d.input": [([r(1, 2, 2, 2, 2), r(2, 4, 2, 2, 2), r(4), [2, 2, 2]],
                                          {})],
     })
+    s.update({
+        "aten.adaptive_max_pool1d.default": [([r(2, 3, 6), [3]], {})],
+        "aten.adaptive_max_pool2d.default": [([r(2, 3, 4, 4), [2, 2]], {})],
+        "aten.adaptive_max_pool3d.default": [([r(1, 2, 2, 4, 4), [1, 2, 2]], {})],
+        "aten.grid_sampler.default": [([r(2, 3, 4, 5), torch.tanh(r(2, 4, 2, 2, seed=1)), 0, 0,
+                                        False], {})],
+        "aten.grid_sampler_2d.default": [([r(2, 3, 4, 5), torch.tanh(r(2, 2, 4, 2, seed=1)), 1,
+                                           1, True], {})],
+        "aten.grid_sampler_3d.default": [([r(1, 2, 3, 3, 3), torch.tanh(r(1, 2, 2, 2, 3, seed=1)),
+                                           0, 0, False], {})],
+        "aten.cdist.default": [([r(2, 4, 3), r(2, 6, 3, seed=1)], {}),
+                               ([r(4, 3), r(6, 3, seed=1), 1.0], {})],
+        "aten._cdist_forward.default": [([r(2, 4, 3), r(2, 6, 3, seed=1), 2.0, None], {})],
+    })
     big, line, cube = r(2, 3, 4, 4), r(2, 3, 5), r(1, 2, 2, 3, 3)
     for name, x, vec, default in [
             ("upsample_nearest1d", line, [None, [2.0]], [[10]]),

@@ -7,7 +7,7 @@ takes its statistics over the batch and the positions: only the channels split."
 from __future__ import annotations
 
 from ssdsl.ops.build import dims, plain
-from ssdsl.ops.core import Annotation, Call, Factor, register
+from ssdsl.ops.core import Annotation, Call, Factor, Unsplittable, register
 from ssdsl.ops.reduction import _mean_lower
 
 
@@ -34,7 +34,9 @@ def adaptive_avg_pool(call: Call) -> Annotation:
 
 
 @register("aten.max_pool1d.default", "aten.max_pool2d.default", "aten.max_pool3d.default",
-          "aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.avg_pool3d.default")
+          "aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.avg_pool3d.default",
+          "aten.adaptive_max_pool1d.default", "aten.adaptive_max_pool2d.default",
+          "aten.adaptive_max_pool3d.default")
 def pool(call: Call) -> Annotation:
     (src,), outs_shapes = call.in_shapes, call.out_shapes
     n = int(call.op.target.split(".")[1][-2])
@@ -85,3 +87,22 @@ def resample(call: Call) -> Annotation:
     frozen = {lab: why for lab in (*pooled, *(f"o{k}" for k in range(n)))}
     return Annotation((plain(lead + pooled, src),), (outs,), frozen=frozen,
                       windows=frozenset(pooled))
+
+
+@register("aten.grid_sampler.default", "aten.grid_sampler_2d.default",
+          "aten.grid_sampler_3d.default")
+def grid_sampler(call: Call) -> Annotation:
+    """``F.grid_sample(x, grid)`` (a spatial transformer): each output position samples ``x``
+    where its grid entry points, anywhere; batch, channels and the output positions (with the
+    grid's) split, the input positions whole."""
+    x, grid = call.in_shapes
+    (out,) = call.out_shapes
+    n = len(x) - 2
+    if n < 1 or len(grid) != n + 2:
+        raise Unsplittable(f"{call.op.kind} of input {tuple(x)} and grid {tuple(grid)}")
+    pos, opos = [f"h{k}" for k in range(n)], [f"o{k}" for k in range(n)]
+    why = "sampled anywhere, where the grid points"
+    return Annotation((plain(["N", "C", *pos], x), plain(["N", *opos, "xy"], grid)),
+                      (plain(["N", "C", *opos], out),),
+                      frozen={**{p: why for p in pos}, "xy": "a grid entry's coordinates"},
+                      windows=frozenset(pos))

@@ -167,3 +167,18 @@ def sort(call: Call) -> Annotation:
             outs.append(plain([*labels[:d], "k", *labels[d + 1:]], out))
             frozen["k"] = f"{call.op.kind}'s results, picked from the whole dim"
     return Annotation((ins,), tuple(outs), frozen=frozen)
+
+
+@register("aten.cdist.default", "aten._cdist_forward.default")
+def cdist(call: Call) -> Annotation:
+    """``torch.cdist(x1, x2)``: the distance of every row of ``x1`` to every row of ``x2``
+    (batch dims alike), each a norm over the features: batch and both row dims split, the
+    features whole."""
+    a, b = call.in_shapes
+    (out,) = call.out_shapes
+    if len(a) < 2 or len(a) != len(b) or tuple(a[:-2]) != tuple(b[:-2]):
+        raise Unsplittable(f"{call.op.kind} of {tuple(a)} and {tuple(b)}")
+    lead = dims(len(a) - 2, "b")
+    return Annotation((plain([*lead, "p", "m"], a), plain([*lead, "r", "m"], b)),
+                      (plain([*lead, "p", "r"], out),),
+                      frozen={"m": "a distance is a norm over the features"})
