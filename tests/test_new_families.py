@@ -222,8 +222,8 @@ def test_batch_norm_keeps_its_running_statistics(capsys, tmp_path, family, layou
               "timm_efficientnet", "timm_regnet", "hf_wav2vec2", "hf_swin"]])
 def test_every_operator_is_annotated(family: str) -> None:
     """Falcon's ``weight.T`` (``aten.numpy_T``) and Wav2Vec2's ``_weight_norm`` were not;
-    Qwen2-MoE's routing still is not
-    (``topk``, ``sort``, ``histc``, transformers' grouped matmul), as Mixtral's."""
+    Qwen2-MoE's routing still is not (its ``topk`` and ``sort`` are; ``histc``, ``index_put_``,
+    ``empty_like`` and transformers' grouped matmul are not), as Mixtral's."""
     from ssdsl.ops import NotAnnotated, annotate
     from ssdsl.trace import trace
     from ssdsl.trace.model_file import load_model_file

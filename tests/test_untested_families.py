@@ -146,7 +146,8 @@ def test_in_place_activations_on_gathered_values(capsys):
                  ("hf_vit", HF), ("timm_mobilenet", TIMM)]])
 def test_every_operator_is_annotated(path: Path) -> None:
     """BLOOM's ``repeat``, GPT-J's ``repeat_interleave``, MobileNet's ``hardswish_`` and
-    ``hardsigmoid`` were not (Mixtral's routing still is not: ``sort``, ``topk``, ``histc``)."""
+    ``hardsigmoid`` were not (Mixtral's routing still is not: its ``sort`` and ``topk`` are,
+    ``histc``, ``index_put_`` and transformers' grouped matmul are not)."""
     from ssdsl.ops import NotAnnotated, annotate
     from ssdsl.trace import trace
     from ssdsl.trace.model_file import load_model_file

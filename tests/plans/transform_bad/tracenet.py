@@ -1,4 +1,4 @@
-"""A tiny model with an operator that has no annotation (``flip``), for the transform corpus."""
+"""A tiny model with an operator that has no annotation (``trace``), for the transform corpus."""
 
 from __future__ import annotations
 
@@ -9,18 +9,19 @@ BATCH_SIZE = 4
 INPUT_DIMS = (("batch", "features"),)
 
 
-class FlipNet(nn.Module):
+class TraceNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 8)
         self.out = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.flip(self.inp(x), dims=[1]))
+        h = self.inp(x)
+        return self.out(h * torch.trace(h[:, :4]))
 
 
 def build_model() -> nn.Module:
-    return FlipNet()
+    return TraceNet()
 
 
 def get_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
