@@ -245,7 +245,11 @@ def _samples() -> dict[str, list]:
                                 ([r(4, 6), 1, ints(6, 2, 3)], {})],
         "aten.pad.default": [([r(2, 4, 6), [1, 2]], {}), ([r(2, 4, 6), [0, 0, 1, 1], "constant", 0.5],
                                                       {}),
-                             ([r(2, 4, 6), [0, 0, 1, 2]], {}), ([r(2, 4, 6), [0, 0, 0, 0]], {})],
+                             ([r(2, 4, 6), [0, 0, 1, 2]], {}), ([r(2, 4, 6), [0, 0, 0, 0]], {}),
+                             # a reflection and a replication pad only the last dims
+                             ([r(2, 3, 4, 5), [1, 2, 2, 1], "reflect"], {}),
+                             ([r(2, 3, 5), [2, 1], "replicate"], {}),
+                             ([r(2, 3, 4, 5), [1, 1, 1, 1], "circular"], {})],
         "aten.constant_pad_nd.default": [([r(2, 4, 6), [1, 1, 0, 0], 0.0], {}),
                                          ([r(2, 4, 6), [1, 1], 0.5], {})],
         "aten.adaptive_avg_pool1d.default": [([r(2, 4, 6), [1]], {})],
@@ -308,6 +312,11 @@ def _samples() -> dict[str, list]:
         "aten.conv_transpose3d.input": [([r(1, 2, 2, 2, 2), r(2, 4, 2, 2, 2), r(4), [2, 2, 2]],
                                          {})],
     })
+    for n in ["leaky_relu", "elu", "celu", "selu", "threshold"]:
+        extra = {"threshold": [0.1, -2.0]}.get(n, [])
+        s[f"aten.{n}_.default"] = [([r(4, 6), *extra], {})]
+    s["aten.col2im.default"] = [([r(2, 12, 9), [4, 4], [2, 2], [1, 1], [0, 0], [1, 1]], {}),
+                                ([r(2, 12, 4), [4, 4], [2, 2], [1, 1], [0, 0], [2, 2]], {})]
     s.update({
         "aten.adaptive_max_pool1d.default": [([r(2, 3, 6), [3]], {})],
         "aten.adaptive_max_pool2d.default": [([r(2, 3, 4, 4), [2, 2]], {})],

@@ -1,8 +1,8 @@
 """Models built of operators that had no annotation (each replicated behind an all-gather under
 data parallelism, and refused under micro-batches): a small U-Net (instance norm, PReLU,
 a transposed convolution, bilinear and nearest upsampling, pixel shuffle), a gated text encoder (GLU, flip, cumulative
-product, standard deviation, cosine similarity, ``index_select``, ``topk``, ``one_hot``) and
-its losses.
+product, standard deviation, cosine similarity, ``index_select``, ``topk``, ``one_hot``) and a
+VOLO-style fold (reflect padding, an in-place leaky ReLU, ``F.unfold`` and ``F.fold``).
 
 Oracle: the plain single-device model (``verify_before_launch`` simulates every rank of one step
 in float64 against it); the per-operator oracle is ``tests/test_ops_annotations.py`` (torch's op
@@ -107,7 +107,43 @@ def loss(logits, target):
     return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
 '''
 
-MODELS = {"unet": UNET, "encoder": ENCODER}
+FOLD = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BATCH_SIZE = 8
+
+
+class FoldNet(nn.Module):
+    """Outlook-style mixing (VOLO): windows unfolded, mixed, folded back (overlapping ones
+    add), after a reflect-padded stem with an in-place leaky ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3)
+        self.mix = nn.Linear(9, 9)
+        self.head = nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        x = F.leaky_relu(self.stem(F.pad(x, (1, 1, 1, 1), mode="reflect")), 0.1, inplace=True)
+        w = F.unfold(x, 3, padding=1)                                  # (N, 4 * 9, 36)
+        w = self.mix(w.reshape(x.shape[0], 4, 9, 36).transpose(2, 3)).transpose(2, 3)
+        y = F.fold(w.reshape(x.shape[0], 36, 36), (6, 6), 3, padding=1)
+        return self.head(F.elu(y).flatten(1))
+
+
+def build_model():
+    return FoldNet()
+
+
+def get_batch(step, batch_size):
+    g = torch.Generator().manual_seed(5400 + step)
+    return (torch.randn(batch_size, 3, 6, 6, generator=g),), torch.randint(0, 5, (batch_size,),
+                                                                            generator=g)
+'''
+
+MODELS = {"unet": UNET, "encoder": ENCODER, "fold": FOLD}
 
 
 def _model(tmp_path, name: str) -> str:

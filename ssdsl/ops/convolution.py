@@ -114,6 +114,25 @@ def im2col(call: Call) -> Annotation:
     return Annotation((ins,), (outs,), frozen=frozen, windows=frozenset({"h0", "h1"}))
 
 
+@register("aten.col2im.default")
+def col2im(call: Call) -> Annotation:
+    """``F.fold`` / ``nn.Fold`` (VOLO's outlook attention), the inverse of ``im2col``:
+    ``(N, C kh kw, L)`` windows summed back into ``(N, C, H, W)``. The batch and the channels
+    are spatial; the kernel offsets, the windows and the positions are whole (overlapping
+    windows add into the same position)."""
+    x = call.shape(0, "self")
+    (out,) = call.out_shapes
+    batched = len(x) == 3
+    lead = [(Factor("N", x[0]),)] if batched else []
+    c = out[-3]
+    kernel = x[-2] // c
+    why = "overlapping windows add into the same positions"
+    frozen = {"h0": why, "h1": why, "k": "the kernel offsets of a window", "L": why}
+    ins = (*lead, (Factor("C", c), Factor("k", kernel)), (Factor("L", x[-1]),))
+    outs = (*lead, (Factor("C", c),), (Factor("h0", out[-2]),), (Factor("h1", out[-1]),))
+    return Annotation((ins,), (outs,), frozen=frozen)
+
+
 @register("aten.conv_transpose1d.default", "aten.conv_transpose2d.input",
           "aten.conv_transpose3d.input")
 def conv_transpose(call: Call) -> Annotation:

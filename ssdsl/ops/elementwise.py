@@ -56,7 +56,9 @@ _targets = (
 IN_PLACE = (
     [f"aten.{n}_.default" for n in ["relu", "gelu", "silu", "sigmoid", "tanh", "exp", "neg",
                                      "sqrt", "rsqrt", "abs", "reciprocal", "zero",
-                                     "hardswish", "hardsigmoid", "hardtanh", "mish"]]
+                                     "hardswish", "hardsigmoid", "hardtanh", "mish",
+                                     # ``inplace=True`` activations (CSPDarkNet's, TResNet's)
+                                     "leaky_relu", "elu", "celu", "selu", "threshold"]]
     + [f"aten.{n}_.Tensor" for n in ["add", "sub", "mul", "div"]]
     + [f"aten.{n}_.Scalar" for n in ["add", "sub", "mul", "div", "fill", "masked_fill"]]
     + ["aten.masked_fill_.Tensor", "aten.fill_.Tensor", "aten.copy_.default", "aten.clamp_.default",
