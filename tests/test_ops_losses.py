@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from ssdsl.cli import main
-from ssdsl.ops import FrozenDimError, NotAnnotated, annotate_call
+from ssdsl.ops import FrozenDimError
 from ssdsl.runtime.job import JobSpec
 from ssdsl.runtime.preflight import verify_before_launch
-from tests.test_ops_oracle import check_parts, constant, equal_parts, make_call
+from tests.test_ops_oracle import annotated_sample, check_equal_splits, constant
 
 D = torch.float64
 MEAN, SUM, NONE = 1, 2, 0
@@ -92,11 +92,7 @@ CASES = [(t, i) for t, calls in SAMPLES.items() for i in range(len(calls))]
 
 
 def _annotated(target: str, index: int):
-    args, kwargs, _ = SAMPLES[target][index]
-    call, values = make_call(target, args, kwargs)
-    ann = annotate_call(call)
-    assert not isinstance(ann, NotAnnotated), ann
-    return call, values, ann
+    return annotated_sample(SAMPLES, target, index)
 
 
 @pytest.mark.parametrize(("target", "index"), CASES)
@@ -108,10 +104,7 @@ def test_the_labels_offered_to_split(target: str, index: int) -> None:
 @pytest.mark.parametrize(("target", "index"), CASES)
 def test_parts_combine_to_the_whole_loss(target: str, index: int) -> None:
     call, values, ann = _annotated(target, index)
-    for label in ann.splittable():
-        for n in (2, 4):
-            if ann.sizes()[label] % n == 0:
-                check_parts(call, ann, values, equal_parts(ann, label, n))
+    check_equal_splits(call, ann, values)
 
 
 def test_a_samples_features_are_refused_with_a_reason() -> None:

@@ -159,3 +159,24 @@ def equal_parts(ann: Annotation, label: str, n: int) -> list[dict[str, tuple[int
     size = ann.sizes()[label]
     step = size // n
     return [{label: (k * step, (k + 1) * step)} for k in range(n)]
+
+
+def annotated_sample(samples: Mapping[str, Sequence[tuple]], target: str, index: int):
+    """``(call, values, annotation)`` of sample ``index`` of ``target`` in ``samples`` (target ->
+    [(args, kwargs, expected labels)]); the annotation must exist."""
+    from ssdsl.ops import NotAnnotated, annotate_call
+    args, kwargs, _ = samples[target][index]
+    call, values = make_call(target, args, kwargs)
+    ann = annotate_call(call)
+    assert not isinstance(ann, NotAnnotated), ann
+    return call, values, ann
+
+
+def check_equal_splits(call: Call, ann: Annotation, values: Mapping[str, torch.Tensor],
+                       counts: Sequence[int] = (2, 4)) -> None:
+    """Every splittable label cut into each of ``counts`` equal parts that divide it: the parts
+    combine to the whole op (``check_parts``)."""
+    for label in ann.splittable():
+        for n in counts:
+            if ann.sizes()[label] % n == 0:
+                check_parts(call, ann, values, equal_parts(ann, label, n))

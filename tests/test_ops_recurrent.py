@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from ssdsl.cli import main
-from ssdsl.ops import FrozenDimError, NotAnnotated, annotate_call
+from ssdsl.ops import FrozenDimError
 from ssdsl.runtime.job import JobSpec
 from ssdsl.runtime.preflight import verify_before_launch
-from tests.test_ops_oracle import check_parts, equal_parts, make_call
+from tests.test_ops_oracle import annotated_sample, check_equal_splits
 
 D = torch.float64
 
@@ -72,11 +72,7 @@ CASES = [(t, i) for t, calls in SAMPLES.items() for i in range(len(calls))]
 
 
 def _annotated(target: str, index: int):
-    args, kwargs, _ = SAMPLES[target][index]
-    call, values = make_call(target, args, kwargs)
-    ann = annotate_call(call)
-    assert not isinstance(ann, NotAnnotated), ann
-    return call, values, ann
+    return annotated_sample(SAMPLES, target, index)
 
 
 @pytest.mark.parametrize(("target", "index"), CASES)
@@ -88,10 +84,7 @@ def test_only_the_batch_splits(target: str, index: int) -> None:
 @pytest.mark.parametrize(("target", "index"), CASES)
 def test_batch_parts_combine_to_the_whole_call(target: str, index: int) -> None:
     call, values, ann = _annotated(target, index)
-    for label in ann.splittable():
-        for n in (2, 4):
-            if ann.sizes()[label] % n == 0:
-                check_parts(call, ann, values, equal_parts(ann, label, n))
+    check_equal_splits(call, ann, values)
 
 
 def test_the_time_dim_is_refused_with_a_reason() -> None:

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from ssdsl.ops import FrozenDimError, NotAnnotated, annotate_call, registered
-from tests.test_ops_oracle import check_parts, equal_parts, make_call, take
+from tests.test_ops_oracle import annotated_sample, check_parts, equal_parts, make_call, take
 
 D = torch.float64
 C128 = torch.complex128
@@ -112,11 +112,7 @@ def test_the_reported_operators_are_registered() -> None:
 
 
 def _annotated(target: str, index: int):
-    args, kwargs, _ = SAMPLES[target][index]
-    call, values = make_call(target, args, kwargs)
-    ann = annotate_call(call)
-    assert not isinstance(ann, NotAnnotated), ann
-    return call, values, ann
+    return annotated_sample(SAMPLES, target, index)
 
 
 @pytest.mark.parametrize(("target", "index"), CASES)
