@@ -493,3 +493,15 @@ def test_a_sort_keeps_the_dim_it_orders_whole() -> None:
     check_parts(call, ann, values, equal_parts(ann, "d0", 4))
     with pytest.raises(FrozenDimError, match="orders the whole dim"):
         ann.split(call, "d1", 2, 0)
+
+
+@pytest.mark.parametrize("target, args", [("aten.sort.default", [r(12)]),
+                                          ("aten.argsort.default", [r(12)]),
+                                          ("aten.topk.default", [r(12), 3])])
+def test_a_one_dim_sort_has_no_annotation(target, args) -> None:
+    """Nothing of it can split (an MoE's sort of every token's expert, flattened): left without
+    an annotation, a selection such as dp's ``partition all`` replicates it, as it did before
+    sorts had one, instead of refusing the plan."""
+    call, _ = make_call(target, args)
+    ann = annotate_call(call)
+    assert isinstance(ann, NotAnnotated) and "orders all of it" in ann.reason

@@ -151,6 +151,10 @@ def sort(call: Call) -> Annotation:
     are a dim of its own."""
     shape = call.in_shapes[0]
     target = call.op.target
+    if len(shape) <= 1:
+        # nothing to split: such a sort (an MoE's of every token's expert, flattened) stays
+        # without an annotation, replicated where a selection reaches it, as before
+        raise Unsplittable(f"{call.op.kind} of a {len(shape)}-dim tensor orders all of it")
     if target.endswith(".stable"):  # sort(self, *, stable, dim=-1, descending=False)
         d = call.arg(len(call.op.args), "dim", -1)
     else:  # sort/argsort(self, dim=-1, ...), topk(self, k, dim=-1, ...)
