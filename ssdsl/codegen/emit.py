@@ -28,8 +28,8 @@ from ssdsl.errors import SsdslError
 from ssdsl.gcpause import gc_paused
 from ssdsl.lower import Handler, Program, lower_rank, walk
 from ssdsl.lower.build import classes_of, context_of
-from ssdsl.lower.instr import Call, Coll, P2P
-from ssdsl.lower.text import field_texts, text_of_fields
+from ssdsl.lower.instr import Call, Coll, Comm, P2P
+from ssdsl.lower.text import _lit, field_texts, text_of_fields
 from ssdsl.materialize.program import Materialized
 from ssdsl.source import Span, source_text
 
@@ -92,21 +92,21 @@ class _Done:
     stmts: tuple[Stmt, ...]
     consts: tuple[str, ...]
     fields: tuple[str | None, ...] | None  # its constant's field texts
-    lines: tuple[str, ...] = ()
 
 
-# instructions whose handlers change the writer's state beyond the lines they add (a shard
-# table entry: ``param``, replayed when its lines are taken)
+# instructions whose handlers change the writer's state beyond the lines they add (the depth,
+# the recomputed regions): a template does not write one of them again alone
 _STATEFUL = frozenset({"recompute", "end_recompute"})
 
 
 class _Emitter(Handler):
-    """The code-writing handlers of the one walk. ``like``: what the walk of a program of the
-    same class wrote, instruction by instruction (``_Done``): taken for every instruction that
-    is the same object at the same place, and field by field for the others."""
+    """The code-writing handlers of the one walk. With ``record``, what each instruction wrote
+    is kept (``done``: a class's template, ``_Template``). ``_hit``: where a template's
+    instruction at the same place is written again for another rank, what it wrote there (its
+    call's code and its constant's field texts are taken where the values are the same)."""
 
-    def __init__(self, m: Materialized, program: Program,
-                 like: list[_Done] | None = None, *, notes: dict[int, tuple]) -> None:
+    def __init__(self, m: Materialized, program: Program, *, notes: dict[int, tuple],
+                 record: bool = False) -> None:
         self.m, self.program = m, program
         self.graph = m.transformed.graph
         shared = context_of(m)  # made once per plan, not once per rank
@@ -120,39 +120,24 @@ class _Emitter(Handler):
         self.depth = 1
         self.regions: list[tuple[str, str]] = []
         self._wheres: dict[tuple, tuple[str, tuple[Span, ...]]] = {}
-        self.like = like
-        self.record = like is None  # what this walk writes serves the rest of the class
+        self.record = record
         self.done: list[_Done] = []
-        self.lines: list[str | None] = []  # the finished line of each statement, where known
         self._hit: _Done | None = None
         self._fields: tuple[str | None, ...] | None = None
-        self._i = 0
         self._parts = notes
         self._edge_names: dict[int, str] = {}
+        self._base = 0  # constants written before this emitter's first (``_Template.fill``)
 
     def visit(self, ins: Any) -> None:
-        i = self._i
-        self._i = i + 1
         n, depth, s = len(self.consts), self.depth, len(self.stmts)
-        like = self.like
-        hit = self._hit = like[i] if like is not None and i < len(like) else None
         self._fields = None
-        if hit is not None and hit.ins is ins and hit.n_consts == n and hit.depth == depth \
-                and ins.kind not in _STATEFUL:
-            self.stmts += hit.stmts
-            self.consts += hit.consts
-            self.lines += hit.lines
-            if ins.kind == "param":
-                self._shard(ins)
-            return
         getattr(self, "on_" + ins.kind)(ins)
-        self.lines += [None] * (len(self.stmts) - len(self.lines))
         if self.record:
             self.done.append(_Done(ins, n, depth, tuple(self.stmts[s:]),
                                    tuple(self.consts[n:]), self._fields))
 
     def _const(self, ins: Any) -> str:
-        name = f"I{len(self.consts)}"
+        name = f"I{self._base + len(self.consts)}"
         hit = self._hit
         texts = field_texts(ins, without_span=True, like=(hit.ins, hit.fields)
                             if hit is not None and hit.fields is not None else None)
@@ -193,24 +178,7 @@ class _Emitter(Handler):
         self._hand(ins, f"{ins.out} = {qual} {region_text(ins.region)}")
 
     def on_call(self, ins) -> None:
-        where, spans, note = self._where(ins)
-        hit = self._hit
-        if hit is not None and hit.stmts and type(hit.ins) is Call and hit.ins.ins is ins.ins \
-                and hit.ins.outs is ins.outs and hit.ins.loss == ins.loss \
-                and hit.ins.count == ins.count and hit.ins.listy == ins.listy \
-                and (hit.ins.call is ins.call or _call_pieces(hit.ins.call, ins.listy)
-                     == _call_pieces(ins.call, ins.listy)):
-            # the same call on the same values (a part of another index): the same code
-            first = hit.stmts[0]
-            code = first.code
-            # the statement serves the legend (its plan lines) and its line is written here:
-            # the first module's statement does when the plan lines are the same
-            self.stmts.append(first if first.cites == spans and first.depth == self.depth
-                              else Stmt(code, where, spans, self.depth))
-            self.lines.append(f"{'    ' * self.depth}{code}  # {note}")
-            if ins.loss:
-                self.stmts.append(Stmt(hit.stmts[1].code, "a loss part", spans, self.depth))
-            return
+        where, spans, _ = self._where(ins)
         lc = ins.call
         pieces = _call_pieces(lc, ins.listy)  # one per call object: every micro-batch shares it
         rhs = "".join(x if type(x) is str else f"v[{ins.ins[x]!r}]" for x in pieces)
@@ -328,6 +296,10 @@ _CALL_PIECES: dict[tuple[int, bool], tuple[Any, tuple[str | int, ...]]] = {}
 _SLOT_MARK = "\x00"  # never in a literal's text: repr escapes it
 
 
+# equal pieces are one tuple (``_Template.fill`` compares them by identity)
+_PIECES: dict[tuple[str | int, ...], tuple[str | int, ...]] = {}
+
+
 def _call_pieces(lc: Any, listy: bool) -> tuple[str | int, ...]:
     hit = _CALL_PIECES.get((id(lc), listy))
     if hit is not None and hit[0] is lc:
@@ -354,8 +326,10 @@ def _call_pieces(lc: Any, listy: bool) -> tuple[str | int, ...]:
         pieces += [i, text]
     if len(_CALL_PIECES) >= 1 << 16:
         _CALL_PIECES.clear()
-    _CALL_PIECES[(id(lc), listy)] = (lc, tuple(pieces))
-    return tuple(pieces)
+        _PIECES.clear()
+    found = _PIECES.setdefault(tuple(pieces), tuple(pieces))
+    _CALL_PIECES[(id(lc), listy)] = (lc, found)
+    return found
 
 
 def _steps_text(steps: Sequence[Any]) -> str:
@@ -400,35 +374,156 @@ def generate_rank(m: Materialized, rank: int, prov: Provenance,
     """The Python module of ``rank``: header, shard table, cited plan lines, instruction
     constants, ``train_step``.
 
-    With ``reuse`` (the default), what was written for the first rank of the same class
-    (``ssdsl.lower.classes``) is taken for every instruction object the two programs share;
-    without, everything is written afresh (the same text)."""
+    With ``reuse`` (the default), the module of the first rank of the same class
+    (``ssdsl.lower.classes``) written in this process is its template: every instruction object
+    the two programs share keeps its text there, and only the others (the stamped ones) are
+    written (``_Template``); without, everything is written afresh (the same text)."""
     program = program if program is not None else lower_rank(m, rank, direct=not reuse)
-    done = _renderings(m) if reuse else {}
     rep = classes_of(m).rep_of.get(rank, rank) if reuse else rank
-    e = _Emitter(m, program, done.get(rep), notes=_part_notes(m) if reuse else {})
+    if reuse:
+        template = _templates(m).get(rep)
+        if template is not None:
+            body = template.fill(m, program)
+            if body is not None:
+                return _header(rank, prov, body) + body
+    e = _Emitter(m, program, notes=_part_notes(m) if reuse else {}, record=reuse)
     for _ in walk(e.program, e):
         raise AssertionError("the code writer never waits")
     # the plan lines a class's modules cite are the same: each statement's lines come from its
     # instruction's span and its part's, which the class key holds (``ssdsl.lower.classes``)
-    legends = _legends(m) if reuse else {}
-    legend = legends.get(rep)
-    if legend is None:
-        legend = _legend(e.stmts)
-        if reuse:
-            legends[rep] = legend
-    body = _body(e, legend)
-    if rep not in done:
-        k = 0
-        for d in e.done:
-            d.lines = tuple(e.lines[k:k + len(d.stmts)])
-            k += len(d.stmts)
-        done[rep] = e.done
+    legend = _legend(e.stmts)
+    lines = _lines(e.stmts)
+    body = _body(e.shards, legend, e.consts, lines)
+    if reuse:
+        _templates(m)[rep] = _Template.of(program, e, legend, lines)
     return _header(rank, prov, body) + body
 
 
-_RENDERED: list[tuple[Materialized, dict[int, list[_Done]]]] = []
-_LEGENDS: list[tuple[Materialized, dict[int, list[str]]]] = []
+class _Template:
+    """The module of one rank of a class, as the modules of the others are made from it.
+
+    A rank of the class has the same instructions at the same places, up to the stamped fields
+    (``ssdsl.lower.classes``); an instruction object the two programs share has the same text
+    at the same place (its statements' lines, its constants), since the plan lines and part
+    notes behind it are in the class key too. So another rank's module is this one with the
+    constants and lines of the instructions that differ written again, by the same handlers,
+    at the same constant numbers and depth."""
+
+    def __init__(self, instructions: tuple, done: list[_Done], consts: list[str],
+                 lines: list[str], shards: list, legend: list[str]) -> None:
+        self.instructions, self.done = instructions, done
+        self.consts, self.lines, self.shards, self.legend = consts, lines, shards, legend
+        starts, k = [], 0
+        for d in done:
+            starts.append(k)
+            k += len(d.stmts)
+        self.starts = starts  # each instruction's first statement
+        self.params = [i for i, ins in enumerate(instructions) if ins.kind == "param"]
+        self.heads: dict[int, str] = {}  # a call's line up to its note, once asked
+        self.comms: dict[int, tuple[str, ...]] = {}  # ``_comm_pieces``, once asked
+
+    def _comm_pieces(self, i: int) -> tuple[str, ...]:
+        """The constant and the line of the comm at ``i`` before and after its steps' text
+        (empty where its steps are not written as a field of their own)."""
+        d = self.done[i]
+        was, fields = d.ins, d.fields
+        names = [f.name for f in attrs.fields(Comm) if f.name != "span"]
+        k = names.index("steps")
+        if fields is None or len(fields) != len(names) or fields[k] is None \
+                or len(d.consts) != 1 or len(d.stmts) != 1:
+            return ()
+        before = [t for t in fields[:k] if t is not None]
+        after = [t for t in fields[k + 1:] if t is not None]
+        const_head = f"I{d.n_consts} = comm(" + "".join(t + ", " for t in before) + "steps="
+        const_tail = "".join(", " + t for t in after) + ")"
+        if const_head + _lit(was.steps) + const_tail != self.consts[d.n_consts]:
+            return ()
+        line, note = self.lines[self.starts[i]], _steps_text(was.steps)
+        stmt = d.stmts[0]
+        if not stmt.note.endswith(note):
+            return ()
+        head = "    " * stmt.depth + stmt.code + "  # " + stmt.note[:len(stmt.note) - len(note)]
+        tail = line[len(head) + len(note):]
+        if head + note + tail != line:
+            return ()
+        return const_head, const_tail, head, tail
+
+    @classmethod
+    def of(cls, program: Program, e: _Emitter, legend: list[str], lines: list[str]
+           ) -> _Template:
+        return cls(program.instructions, e.done, e.consts, lines, e.shards, legend)
+
+    def fill(self, m: Materialized, program: Program) -> str | None:
+        """The body of ``program``'s module, or None where its instructions do not line up
+        with this template's (the caller then walks it whole)."""
+        mine, base = program.instructions, self.instructions
+        if len(mine) != len(base):
+            return None
+        changed = [i for i, (a, b) in enumerate(zip(base, mine)) if a is not b]
+        e = _Emitter(m, program, notes=_part_notes(m))
+        consts, lines, done, starts = list(self.consts), list(self.lines), self.done, self.starts
+        heads, comms = self.heads, self.comms
+        seen: dict[int, tuple] = {}  # id(steps) -> (steps, their text, their note)
+        pieces_of = _call_pieces
+        for i in changed:
+            d, ins = done[i], mine[i]
+            cls, was = type(ins), d.ins
+            if cls is Call and type(was) is Call and was.ins is ins.ins and was.outs is ins.outs \
+                    and was.loss == ins.loss and was.count == ins.count \
+                    and was.listy == ins.listy and (was.call is ins.call or pieces_of(
+                        ins.call, ins.listy) is pieces_of(was.call, was.listy)):
+                # the same code on a part of another index: the note names this rank's part
+                _, spans, note = e._where(ins)
+                head = heads.get(i)
+                if head is None:
+                    head = heads[i] = f"{'    ' * d.depth}{d.stmts[0].code}  # "
+                k = starts[i]
+                lines[k] = head + note
+                if ins.loss:
+                    lines[k + 1] = "    " * d.depth + _line(
+                        Stmt(d.stmts[1].code, "a loss part", spans, d.depth))
+                continue
+            if cls is Comm and type(was) is Comm and ins.mb is was.mb and ins.ins is was.ins \
+                    and ins.outs is was.outs and ins.edge is was.edge and ins.span is was.span \
+                    and ins.shapes is was.shapes and ins.backward is was.backward \
+                    and ins.dtype is was.dtype and ins.grad is was.grad:
+                # only the steps differ (peers, groups, tags): their text goes between the
+                # template's pieces of the constant and of the line
+                pieces = comms.get(i)
+                if pieces is None:
+                    pieces = comms[i] = self._comm_pieces(i)
+                if pieces:
+                    texts = seen.get(id(ins.steps))
+                    if texts is None or texts[0] is not ins.steps:
+                        texts = seen[id(ins.steps)] = (ins.steps, _lit(ins.steps),
+                                                       _steps_text(ins.steps))
+                    const_head, const_tail, line_head, line_tail = pieces
+                    consts[d.n_consts] = const_head + texts[1] + const_tail
+                    lines[starts[i]] = line_head + texts[2] + line_tail
+                    continue
+            if ins.kind in _STATEFUL or cls is not type(was):
+                return None
+            e.stmts, e.consts, e.depth, e._base = [], [], d.depth, d.n_consts
+            e._hit = d
+            e._fields = None
+            getattr(e, "on_" + ins.kind)(ins)
+            if len(e.consts) != len(d.consts) or len(e.stmts) != len(d.stmts):
+                return None
+            if e.consts:
+                consts[d.n_consts:d.n_consts + len(e.consts)] = e.consts
+            k = starts[i]
+            for j, s in enumerate(e.stmts):
+                lines[k + j] = "    " * s.depth + _line(s)
+        shards = self.shards
+        if any(mine[i] is not base[i] for i in self.params):
+            e.shards, e._shard_set = [], set()
+            for i in self.params:
+                e._shard(mine[i])
+            shards = e.shards
+        return _body(shards, self.legend, consts, lines)
+
+
+_TEMPLATES: list[tuple[Materialized, dict[int, _Template]]] = []
 _PART_NOTES: list[tuple[Materialized, dict[int, tuple]]] = []
 
 
@@ -439,18 +534,12 @@ def _part_notes(m: Materialized) -> dict[int, tuple]:
     return _PART_NOTES[0][1]
 
 
-def _legends(m: Materialized) -> dict[int, list[str]]:
-    """The legend of the plan lines cited by each class of ``m`` (the plan written last)."""
-    if not (_LEGENDS and _LEGENDS[0][0] is m):
-        _LEGENDS[:] = [(m, {})]
-    return _LEGENDS[0][1]
-
-
-def _renderings(m: Materialized) -> dict[int, list[_Done]]:
-    """What was written for the first rank of each class of ``m`` (the plan written last)."""
-    if not (_RENDERED and _RENDERED[0][0] is m):
-        _RENDERED[:] = [(m, {})]
-    return _RENDERED[0][1]
+def _templates(m: Materialized) -> dict[int, _Template]:
+    """The template of each class of ``m`` (the plan written last), once one of its ranks was
+    written in this process."""
+    if not (_TEMPLATES and _TEMPLATES[0][0] is m):
+        _TEMPLATES[:] = [(m, {})]
+    return _TEMPLATES[0][1]
 
 
 def rank_order(m: Materialized):
@@ -505,22 +594,24 @@ def _header(rank: int, prov: Provenance, body: str) -> str:
         f"DIGEST = {body_digest(body)!r}\n")
 
 
-def _body(e: _Emitter, legend: list[str]) -> str:
-    lines = [_BODY_START.lstrip("\n") + "-" * 80, "# Parameter shards this rank holds: "
-             "(graph tensor, qualified name, region).", "SHARDS = ("]
-    lines += [f"    {s!r}," for s in e.shards]
-    lines += [")", ""]
-    lines += legend
-    lines += ["", "# The program's instructions that the runtime runs as they are."]
-    lines += e.consts
-    lines += ["", "", "def train_step(rt, v):"]
-    made = e.lines
-    for k, s in enumerate(e.stmts):
-        if made[k] is None:
-            made[k] = "    " * s.depth + _line(s)
-    lines += made
-    lines += [""]
-    return "\n" + "\n".join(lines)
+def _lines(stmts: Sequence[Stmt]) -> list[str]:
+    """Each statement's line of ``train_step``."""
+    return ["    " * s.depth + _line(s) for s in stmts]
+
+
+def _body(shards: Sequence[tuple[str, str, str]], legend: list[str], consts: list[str],
+          lines: list[str]) -> str:
+    out = [_BODY_START.lstrip("\n") + "-" * 80, "# Parameter shards this rank holds: "
+           "(graph tensor, qualified name, region).", "SHARDS = ("]
+    out += [f"    {s!r}," for s in shards]
+    out += [")", ""]
+    out += legend
+    out += ["", "# The program's instructions that the runtime runs as they are."]
+    out += consts
+    out += ["", "", "def train_step(rt, v):"]
+    out += lines
+    out += [""]
+    return "\n" + "\n".join(out)
 
 
 def _line(s: Stmt) -> str:

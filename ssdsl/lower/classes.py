@@ -35,7 +35,7 @@ from typing import Any
 
 import attrs
 
-from ssdsl.lower.instr import (Call, Comm, GatherBucket, LocalAdapter, LossSum, Program,
+from ssdsl.lower.instr import (Call, Coll, Comm, GatherBucket, LocalAdapter, LossSum, Program,
                                ReduceBucket, TakeBuffer, TakeInput, TakeParam)
 from ssdsl.lower.build import _Context, _has_grad, _local_coll, stamp
 from ssdsl.materialize.steps import PointToPoint
@@ -242,6 +242,17 @@ class Representative:
     program: Program
     sites: dict[int, tuple]
     buckets: tuple[int, ...]
+    # (position, site) of every instruction a member may stamp, in program order: a site's, a
+    # loss sum's (site None) and a bucket's (site None): the rest are every member's as they are
+    stamped: tuple[tuple[int, tuple | None], ...] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        sites, out = self.sites, []
+        for i, ins in enumerate(self.program.instructions):
+            site = sites.get(id(ins))
+            if site is not None or type(ins) is LossSum or type(ins) in _BUCKETS:
+                out.append((i, site))
+        object.__setattr__(self, "stamped", tuple(out))
 
 
 def stamp_program(ctx: _Context, index: RankIndex, rep: Representative, rank: int,
@@ -253,12 +264,12 @@ def stamp_program(ctx: _Context, index: RankIndex, rep: Representative, rank: in
     bucket_of = dict(zip(rep.buckets, mine))
     placed, sources, stride = ctx.placed, m.sources, ctx.stride
     buckets = m.reducer.buckets
-    out: list[Any] = []
+    out = list(rep.program.instructions)
     helds: dict[str, tuple[Any, ...]] = {}  # op -> the rank's parts of it
     # the instructions are remade by their constructors, not ``attrs.evolve`` (a 1,024-rank
     # plan stamps millions); the tests compare every field with the direct lowering
-    for ins in rep.program.instructions:
-        site = rep.sites.get(id(ins))
+    for i, site in rep.stamped:
+        ins = out[i]
         if site is not None:
             kind = site[0]
             if kind == "call":
@@ -267,33 +278,37 @@ def stamp_program(ctx: _Context, index: RankIndex, rep: Representative, rank: in
                     held = helds[ins.op] = placed[(ins.op, rank)]
                 part = held[site[1]]
                 if part.index != ins.part or part.sub.local is not ins.call:
-                    ins = Call(ins.op, part.index, ins.outs, ins.ins, part.sub.local, ins.listy,
-                               ins.loss, ins.count, span=ins.span)
+                    out[i] = Call(ins.op, part.index, ins.outs, ins.ins, part.sub.local,
+                                  ins.listy, ins.loss, ins.count, span=ins.span)
             elif kind == "comm":
-                steps = stamp(views[id(site[1])], site[2], stride)
+                view = views[id(site[1])]
+                # collectives alone: the rank's view as it is (no tags to stamp), one tuple
+                # for every micro-batch
+                steps = view if all(type(x) is Coll for x in view) else \
+                    stamp(view, site[2], stride)
                 if steps != ins.steps:
-                    ins = Comm(ins.edge, ins.mb, ins.backward, ins.ins, ins.outs, ins.shapes,
-                               ins.dtype, steps, ins.grad, span=ins.span)
+                    out[i] = Comm(ins.edge, ins.mb, ins.backward, ins.ins, ins.outs, ins.shapes,
+                                  ins.dtype, steps, ins.grad, span=ins.span)
             elif kind == "take":
                 _, name, op, slot, pos = site
                 part = placed[(op, rank)][pos]
                 region = sources[(name, op, slot, rank, part.index)].region
                 if region != ins.region:
-                    ins = _retake(ins, region)
+                    out[i] = _retake(ins, region)
             elif kind == "local":
                 ad = site[1]
                 fwd = stamp(views[id(ad)], site[2], stride)
                 back = stamp(views[id(ad.backward)], site[2] + 1, stride) if _has_grad(ad) \
                     else ()
                 if fwd != ins.steps or back != ins.back:
-                    ins = LocalAdapter(ins.edge, ins.ins, ins.outs, fwd, back, span=ins.span)
-        elif type(ins) is LossSum and ins.group == (rep.program.rank,) and rank != rep.program.rank:
-            ins = LossSum((rank,), span=ins.span)  # a rank's own loss: over itself alone
-        elif type(ins) in _BUCKETS and bucket_of.get(ins.bucket, ins.bucket) != ins.bucket:
+                    out[i] = LocalAdapter(ins.edge, ins.ins, ins.outs, fwd, back, span=ins.span)
+        elif type(ins) is LossSum:
+            if ins.group == (rep.program.rank,) and rank != rep.program.rank:
+                out[i] = LossSum((rank,), span=ins.span)  # a rank's own loss: over itself alone
+        elif bucket_of.get(ins.bucket, ins.bucket) != ins.bucket:
             b = bucket_of[ins.bucket]
-            ins = attrs.evolve(ins, bucket=b, group=tuple(buckets[b].devices),
-                               entries=tuple(buckets[b].entries))
-        out.append(ins)
+            out[i] = attrs.evolve(ins, bucket=b, group=tuple(buckets[b].devices),
+                                  entries=tuple(buckets[b].entries))
     return Program(rank, rep.program.world, tuple(out))
 
 
