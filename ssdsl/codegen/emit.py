@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from ssdsl.errors import SsdslError
 from ssdsl.gcpause import gc_paused
 from ssdsl.lower import Handler, Program, lower_rank, walk
 from ssdsl.lower.build import classes_of, context_of
-from ssdsl.lower.instr import Call, Coll, Comm, P2P
+from ssdsl.lower.instr import Call, Coll, Comm, P2P, TakeBuffer, TakeInput, TakeParam
 from ssdsl.lower.text import _lit, field_texts, text_of_fields
 from ssdsl.materialize.program import Materialized
 from ssdsl.source import Span, source_text
@@ -289,6 +290,28 @@ class _Emitter(Handler):
         self._hand(ins, "optimizer step on this rank's shards")
 
 
+# The instructions a member of a class often differs from its template in one field alone:
+# class -> (that field, a getter of the other fields, how the handler writes the field in its note, the
+# field's type when at its default, which the constant leaves out (none has one: ``NoDefault``))
+class _NoDefault:
+    pass
+
+
+def _one(cls: type, name: str, noted: Any) -> tuple:
+    fields = attrs.fields(cls)
+    others = operator.attrgetter(*(f.name for f in fields if f.name != name))
+    default = getattr(fields, name).default
+    return name, others, noted, type(default) if default is not attrs.NOTHING else _NoDefault
+
+
+_ONE_FIELD: dict[type, tuple] = {
+    Comm: _one(Comm, "steps", lambda steps: _steps_text(steps)),
+    TakeParam: _one(TakeParam, "region", lambda region: region_text(region)),
+    TakeInput: _one(TakeInput, "region", lambda region: region_text(region)),
+    TakeBuffer: _one(TakeBuffer, "region", lambda region: region_text(region)),
+}
+
+
 # A call's right-hand side as text pieces and slot numbers (where ``v[name]`` of the input goes),
 # made once per call object (kept alive with its pieces, so that its id is not reused while
 # cached; calls compare equal across texts, ``1 == 1.0``, so they are cached by identity).
@@ -419,34 +442,25 @@ class _Template:
             k += len(d.stmts)
         self.starts = starts  # each instruction's first statement
         self.params = [i for i, ins in enumerate(instructions) if ins.kind == "param"]
-        self.heads: dict[int, str] = {}  # a call's line up to its note, once asked
-        self.comms: dict[int, tuple[str, ...]] = {}  # ``_comm_pieces``, once asked
+        self.heads: dict[int, tuple] = {}  # a call's line up to its note, once asked
+        self.ones: dict[int, tuple[str, ...]] = {}  # ``_one_field_pieces``, once asked
 
-    def _comm_pieces(self, i: int) -> tuple[str, ...]:
-        """The constant and the line of the comm at ``i`` before and after its steps' text
-        (empty where its steps are not written as a field of their own)."""
+    def _one_field_pieces(self, i: int, one: tuple) -> tuple[str, ...]:
+        """The constant and the line of the instruction at ``i`` before and after the text of
+        its stamped field ``one[0]`` and of that field in its note (``one[2]``); empty where
+        either does not occur exactly once there (the handler writes such a one)."""
         d = self.done[i]
-        was, fields = d.ins, d.fields
-        names = [f.name for f in attrs.fields(Comm) if f.name != "span"]
-        k = names.index("steps")
-        if fields is None or len(fields) != len(names) or fields[k] is None \
-                or len(d.consts) != 1 or len(d.stmts) != 1:
+        name, _, noted, _ = one
+        if len(d.consts) != 1 or len(d.stmts) != 1:
             return ()
-        before = [t for t in fields[:k] if t is not None]
-        after = [t for t in fields[k + 1:] if t is not None]
-        const_head = f"I{d.n_consts} = comm(" + "".join(t + ", " for t in before) + "steps="
-        const_tail = "".join(", " + t for t in after) + ")"
-        if const_head + _lit(was.steps) + const_tail != self.consts[d.n_consts]:
+        value = getattr(d.ins, name)
+        field, note = f"{name}={_lit(value)}", noted(value)
+        const, line = self.consts[d.n_consts], self.lines[self.starts[i]]
+        if const.count(field) != 1 or line.count(note) != 1:
             return ()
-        line, note = self.lines[self.starts[i]], _steps_text(was.steps)
-        stmt = d.stmts[0]
-        if not stmt.note.endswith(note):
-            return ()
-        head = "    " * stmt.depth + stmt.code + "  # " + stmt.note[:len(stmt.note) - len(note)]
-        tail = line[len(head) + len(note):]
-        if head + note + tail != line:
-            return ()
-        return const_head, const_tail, head, tail
+        const_head, const_tail = const.split(field)
+        line_head, line_tail = line.split(note)
+        return const_head + f"{name}=", const_tail, line_head, line_tail
 
     @classmethod
     def of(cls, program: Program, e: _Emitter, legend: list[str], lines: list[str]
@@ -462,41 +476,41 @@ class _Template:
         changed = [i for i, (a, b) in enumerate(zip(base, mine)) if a is not b]
         e = _Emitter(m, program, notes=_part_notes(m))
         consts, lines, done, starts = list(self.consts), list(self.lines), self.done, self.starts
-        heads, comms = self.heads, self.comms
-        seen: dict[int, tuple] = {}  # id(steps) -> (steps, their text, their note)
-        pieces_of = _call_pieces
+        heads, ones = self.heads, self.ones
+        seen: dict[int, tuple] = {}  # id(value) -> (value, its text, its note's)
+        pieces_of, is_ = _call_pieces, operator.is_
         for i in changed:
             d, ins = done[i], mine[i]
             cls, was = type(ins), d.ins
             if cls is Call and type(was) is Call and was.ins is ins.ins and was.outs is ins.outs \
                     and was.loss == ins.loss and was.count == ins.count \
-                    and was.listy == ins.listy and (was.call is ins.call or pieces_of(
-                        ins.call, ins.listy) is pieces_of(was.call, was.listy)):
-                # the same code on a part of another index: the note names this rank's part
-                _, spans, note = e._where(ins)
+                    and was.listy == ins.listy:
                 head = heads.get(i)
-                if head is None:
-                    head = heads[i] = f"{'    ' * d.depth}{d.stmts[0].code}  # "
-                k = starts[i]
-                lines[k] = head + note
-                if ins.loss:
-                    lines[k + 1] = "    " * d.depth + _line(
-                        Stmt(d.stmts[1].code, "a loss part", spans, d.depth))
-                continue
-            if cls is Comm and type(was) is Comm and ins.mb is was.mb and ins.ins is was.ins \
-                    and ins.outs is was.outs and ins.edge is was.edge and ins.span is was.span \
-                    and ins.shapes is was.shapes and ins.backward is was.backward \
-                    and ins.dtype is was.dtype and ins.grad is was.grad:
-                # only the steps differ (peers, groups, tags): their text goes between the
-                # template's pieces of the constant and of the line
-                pieces = comms.get(i)
+                if head is None:  # the template's line up to its note, and its code's pieces
+                    head = heads[i] = (f"{'    ' * d.depth}{d.stmts[0].code}  # ",
+                                       pieces_of(was.call, was.listy))
+                if was.call is ins.call or pieces_of(ins.call, ins.listy) is head[1]:
+                    # the same code on a part of another index: the note names this rank's part
+                    _, spans, note = e._where(ins)
+                    k = starts[i]
+                    lines[k] = head[0] + note
+                    if ins.loss:
+                        lines[k + 1] = "    " * d.depth + _line(
+                            Stmt(d.stmts[1].code, "a loss part", spans, d.depth))
+                    continue
+            one = _ONE_FIELD.get(cls)
+            if one is not None and type(was) is cls \
+                    and all(map(is_, one[1](ins), one[1](was))):
+                # only the stamped field differs (peers and tags, a region): its text goes
+                # between the template's pieces of the constant and of the line
+                pieces = ones.get(i)
                 if pieces is None:
-                    pieces = comms[i] = self._comm_pieces(i)
-                if pieces:
-                    texts = seen.get(id(ins.steps))
-                    if texts is None or texts[0] is not ins.steps:
-                        texts = seen[id(ins.steps)] = (ins.steps, _lit(ins.steps),
-                                                       _steps_text(ins.steps))
+                    pieces = ones[i] = self._one_field_pieces(i, one)
+                value = getattr(ins, one[0])
+                if pieces and type(value) is not one[3]:
+                    texts = seen.get(id(value))
+                    if texts is None or texts[0] is not value:
+                        texts = seen[id(value)] = (value, _lit(value), one[2](value))
                     const_head, const_tail, line_head, line_tail = pieces
                     consts[d.n_consts] = const_head + texts[1] + const_tail
                     lines[starts[i]] = line_head + texts[2] + line_tail

@@ -242,17 +242,51 @@ class Representative:
     program: Program
     sites: dict[int, tuple]
     buckets: tuple[int, ...]
-    # (position, site) of every instruction a member may stamp, in program order: a site's, a
-    # loss sum's (site None) and a bucket's (site None): the rest are every member's as they are
-    stamped: tuple[tuple[int, tuple | None], ...] = attrs.field(init=False)
+    # the places a member may stamp, by what decides their values (``_Stamped``)
+    stamped: _Stamped = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        sites, out = self.sites, []
-        for i, ins in enumerate(self.program.instructions):
+        object.__setattr__(self, "stamped", _Stamped.of(self.program, self.sites))
+
+
+@attrs.frozen
+class _Stamped:
+    """The positions of a representative's program that a member may stamp, grouped by what
+    decides the stamped values, so that a member looks each up once: a call's part (every
+    micro-batch's call of it), a take's source use, a comm's or local adapter's rank view; and
+    the loss sums and gradient buckets. The others are every member's as they are."""
+
+    calls: tuple[tuple[str, int, tuple[int, ...]], ...]          # (op, part position, places)
+    takes: tuple[tuple[tuple, tuple[int, ...]], ...]              # (take site, places)
+    comms: tuple[tuple[Any, tuple[tuple[int, int], ...]], ...]    # (adapter, (place, tag))
+    locals_: tuple[tuple[int, tuple], ...]                        # (place, local site)
+    rest: tuple[int, ...]                                         # loss sums and buckets
+
+    @classmethod
+    def of(cls, program: Program, sites: dict[int, tuple]) -> _Stamped:
+        calls: dict[tuple, list[int]] = {}
+        takes: dict[tuple, list[int]] = {}
+        comms: dict[int, tuple[Any, list]] = {}
+        locals_, rest = [], []
+        for i, ins in enumerate(program.instructions):
             site = sites.get(id(ins))
-            if site is not None or type(ins) is LossSum or type(ins) in _BUCKETS:
-                out.append((i, site))
-        object.__setattr__(self, "stamped", tuple(out))
+            if site is None:
+                if type(ins) is LossSum or type(ins) in _BUCKETS:
+                    rest.append(i)
+                continue
+            kind = site[0]
+            if kind == "call":  # the same part and call in every micro-batch: one group
+                calls.setdefault((ins.op, site[1], ins.part, id(ins.call)), []).append(i)
+            elif kind == "take":
+                takes.setdefault(site[1:], []).append(i)
+            elif kind == "comm":
+                comms.setdefault(id(site[1]), (site[1], []))[1].append((i, site[2]))
+            else:
+                locals_.append((i, site))
+        return cls(tuple((k[0], k[1], tuple(v)) for k, v in calls.items()),
+                   tuple((k, tuple(v)) for k, v in takes.items()),
+                   tuple((ad, tuple(v)) for ad, v in comms.values()),
+                   tuple(locals_), tuple(rest))
 
 
 def stamp_program(ctx: _Context, index: RankIndex, rep: Representative, rank: int,
@@ -260,55 +294,57 @@ def stamp_program(ctx: _Context, index: RankIndex, rep: Representative, rank: in
     """``rep``'s program with the stamped fields of ``rank`` (module docstring); ``views`` as
     ``rank_key`` filled them."""
     m = ctx.m
-    mine = index.buckets_on.get(rank, [])
-    bucket_of = dict(zip(rep.buckets, mine))
     placed, sources, stride = ctx.placed, m.sources, ctx.stride
-    buckets = m.reducer.buckets
-    out = list(rep.program.instructions)
-    helds: dict[str, tuple[Any, ...]] = {}  # op -> the rank's parts of it
+    base = rep.program.instructions
+    out = list(base)
+    at = rep.stamped
     # the instructions are remade by their constructors, not ``attrs.evolve`` (a 1,024-rank
     # plan stamps millions); the tests compare every field with the direct lowering
-    for i, site in rep.stamped:
-        ins = out[i]
-        if site is not None:
-            kind = site[0]
-            if kind == "call":
-                held = helds.get(ins.op)
-                if held is None:
-                    held = helds[ins.op] = placed[(ins.op, rank)]
-                part = held[site[1]]
-                if part.index != ins.part or part.sub.local is not ins.call:
-                    out[i] = Call(ins.op, part.index, ins.outs, ins.ins, part.sub.local,
-                                  ins.listy, ins.loss, ins.count, span=ins.span)
-            elif kind == "comm":
-                view = views[id(site[1])]
-                # collectives alone: the rank's view as it is (no tags to stamp), one tuple
-                # for every micro-batch
-                steps = view if all(type(x) is Coll for x in view) else \
-                    stamp(view, site[2], stride)
-                if steps != ins.steps:
-                    out[i] = Comm(ins.edge, ins.mb, ins.backward, ins.ins, ins.outs, ins.shapes,
-                                  ins.dtype, steps, ins.grad, span=ins.span)
-            elif kind == "take":
-                _, name, op, slot, pos = site
-                part = placed[(op, rank)][pos]
-                region = sources[(name, op, slot, rank, part.index)].region
-                if region != ins.region:
-                    out[i] = _retake(ins, region)
-            elif kind == "local":
-                ad = site[1]
-                fwd = stamp(views[id(ad)], site[2], stride)
-                back = stamp(views[id(ad.backward)], site[2] + 1, stride) if _has_grad(ad) \
-                    else ()
-                if fwd != ins.steps or back != ins.back:
-                    out[i] = LocalAdapter(ins.edge, ins.ins, ins.outs, fwd, back, span=ins.span)
-        elif type(ins) is LossSum:
-            if ins.group == (rep.program.rank,) and rank != rep.program.rank:
-                out[i] = LossSum((rank,), span=ins.span)  # a rank's own loss: over itself alone
-        elif bucket_of.get(ins.bucket, ins.bucket) != ins.bucket:
-            b = bucket_of[ins.bucket]
-            out[i] = attrs.evolve(ins, bucket=b, group=tuple(buckets[b].devices),
-                                  entries=tuple(buckets[b].entries))
+    for op, pos, places in at.calls:
+        part = placed[(op, rank)][pos]
+        first = base[places[0]]
+        at_part, local = part.index, part.sub.local
+        if at_part != first.part or local is not first.call:
+            for i in places:
+                ins = base[i]
+                out[i] = Call(op, at_part, ins.outs, ins.ins, local, ins.listy, ins.loss,
+                              ins.count, span=ins.span)
+    for (name, op, slot, pos), places in at.takes:
+        part = placed[(op, rank)][pos]
+        region = sources[(name, op, slot, rank, part.index)].region
+        for i in places:
+            if region != base[i].region:
+                out[i] = _retake(base[i], region)
+    for ad, places in at.comms:
+        view = views[id(ad)]
+        # collectives alone: the rank's view as it is (no tags to stamp), one tuple for every
+        # micro-batch
+        colls = all(type(x) is Coll for x in view)
+        for i, tag in places:
+            ins = base[i]
+            steps = view if colls else stamp(view, tag, stride)
+            if steps != ins.steps:
+                out[i] = Comm(ins.edge, ins.mb, ins.backward, ins.ins, ins.outs, ins.shapes,
+                              ins.dtype, steps, ins.grad, span=ins.span)
+    for i, site in at.locals_:
+        ins, ad = base[i], site[1]
+        fwd = stamp(views[id(ad)], site[2], stride)
+        back = stamp(views[id(ad.backward)], site[2] + 1, stride) if _has_grad(ad) else ()
+        if fwd != ins.steps or back != ins.back:
+            out[i] = LocalAdapter(ins.edge, ins.ins, ins.outs, fwd, back, span=ins.span)
+    if at.rest:
+        mine = index.buckets_on.get(rank, [])
+        bucket_of = dict(zip(rep.buckets, mine))
+        buckets = m.reducer.buckets
+        for i in at.rest:
+            ins = base[i]
+            if type(ins) is LossSum:
+                if ins.group == (rep.program.rank,) and rank != rep.program.rank:
+                    out[i] = LossSum((rank,), span=ins.span)  # a rank's own loss: itself alone
+            elif bucket_of.get(ins.bucket, ins.bucket) != ins.bucket:
+                b = bucket_of[ins.bucket]
+                out[i] = attrs.evolve(ins, bucket=b, group=tuple(buckets[b].devices),
+                                      entries=tuple(buckets[b].entries))
     return Program(rank, rep.program.world, tuple(out))
 
 
