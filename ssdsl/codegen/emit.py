@@ -104,7 +104,7 @@ class _Emitter(Handler):
     """The code-writing handlers of the one walk. With ``record``, what each instruction wrote
     is kept (``done``: a class's template, ``_Template``). ``_hit``: where a template's
     instruction at the same place is written again for another rank, what it wrote there (its
-    call's code and its constant's field texts are taken where the values are the same)."""
+    constant's field texts are taken where the values are the same)."""
 
     def __init__(self, m: Materialized, program: Program, *, notes: dict[int, tuple],
                  record: bool = False) -> None:
@@ -290,28 +290,6 @@ class _Emitter(Handler):
         self._hand(ins, "optimizer step on this rank's shards")
 
 
-# The instructions a member of a class often differs from its template in one field alone:
-# class -> (that field, a getter of the other fields, how the handler writes the field in its note, the
-# field's type when at its default, which the constant leaves out (none has one: ``NoDefault``))
-class _NoDefault:
-    pass
-
-
-def _one(cls: type, name: str, noted: Any) -> tuple:
-    fields = attrs.fields(cls)
-    others = operator.attrgetter(*(f.name for f in fields if f.name != name))
-    default = getattr(fields, name).default
-    return name, others, noted, type(default) if default is not attrs.NOTHING else _NoDefault
-
-
-_ONE_FIELD: dict[type, tuple] = {
-    Comm: _one(Comm, "steps", lambda steps: _steps_text(steps)),
-    TakeParam: _one(TakeParam, "region", lambda region: region_text(region)),
-    TakeInput: _one(TakeInput, "region", lambda region: region_text(region)),
-    TakeBuffer: _one(TakeBuffer, "region", lambda region: region_text(region)),
-}
-
-
 # A call's right-hand side as text pieces and slot numbers (where ``v[name]`` of the input goes),
 # made once per call object (kept alive with its pieces, so that its id is not reused while
 # cached; calls compare equal across texts, ``1 == 1.0``, so they are cached by identity).
@@ -372,6 +350,24 @@ def _steps_text(steps: Sequence[Any]) -> str:
                 text.append(f"receive from {sorted(set(recvs))}")
             parts.append(" and ".join(text) or "local copy")
     return ", then ".join(parts) or "nothing moves"
+
+
+# The instructions a member of a class often differs from its template in one field alone:
+# class -> (that field, a getter of the other fields, how its note writes that field). The
+# field has no default, so that every constant writes it.
+def _one(cls: type, name: str, noted: Any) -> tuple:
+    fields = attrs.fields(cls)
+    if getattr(fields, name).default is not attrs.NOTHING:
+        raise AssertionError(f"{cls.__name__}.{name} has a default: a constant may leave it out")
+    return name, operator.attrgetter(*(f.name for f in fields if f.name != name)), noted
+
+
+_ONE_FIELD: dict[type, tuple] = {
+    Comm: _one(Comm, "steps", _steps_text),
+    TakeParam: _one(TakeParam, "region", region_text),
+    TakeInput: _one(TakeInput, "region", region_text),
+    TakeBuffer: _one(TakeBuffer, "region", region_text),
+}
 
 
 def _index(part: Any) -> str:
@@ -450,7 +446,7 @@ class _Template:
         its stamped field ``one[0]`` and of that field in its note (``one[2]``); empty where
         either does not occur exactly once there (the handler writes such a one)."""
         d = self.done[i]
-        name, _, noted, _ = one
+        name, _, noted = one
         if len(d.consts) != 1 or len(d.stmts) != 1:
             return ()
         value = getattr(d.ins, name)
@@ -507,7 +503,7 @@ class _Template:
                 if pieces is None:
                     pieces = ones[i] = self._one_field_pieces(i, one)
                 value = getattr(ins, one[0])
-                if pieces and type(value) is not one[3]:
+                if pieces:
                     texts = seen.get(id(value))
                     if texts is None or texts[0] is not value:
                         texts = seen[id(value)] = (value, _lit(value), one[2](value))
