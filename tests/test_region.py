@@ -85,3 +85,23 @@ def test_extract_and_add_into_match_fancy_indexing(outer, inner):
     if rows and cols:
         expect[torch.tensor(rows)[:, None], torch.tensor(cols)[None, :]] = 2 * oracle
     assert torch.equal(acc, big.slice_of(expect))
+
+
+@settings(max_examples=60, deadline=None)
+@given(ivs=st.tuples(_interval_sets, _interval_sets))
+def test_box_index_takes_what_fancy_indexing_takes_as_a_view(ivs):
+    """A box region's index of slices (what the executor takes a batch input's rows with)
+    gives the region's values, as a view; a region of several runs in a dim has none."""
+    shape = (12, 12)
+    r = Region(shape, ivs)
+    full = torch.randn(shape)
+    index = r.box_index()
+    if not r.is_box():
+        assert index is None
+        return
+    oracle = full[[i for a, b in r.intervals[0] for i in range(a, b)]][
+        :, [i for a, b in r.intervals[1] for i in range(a, b)]]
+    got = full[index] if index else full
+    assert torch.equal(got, oracle)
+    assert got.data_ptr() == full[r.intervals[0][0][0]:, r.intervals[1][0][0]:].data_ptr()
+    assert (index == ()) == r.is_full()

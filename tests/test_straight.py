@@ -148,3 +148,18 @@ def test_a_call_that_raises_is_run_by_the_ordinary_handler(monkeypatch):
     ref = run_reference(planned[0], steps=STEPS, dtype=torch.float64,
                         optimizer=OptimizerSpec("sgd", LR))
     assert losses == pytest.approx(list(ref.losses), rel=1e-10)
+
+
+@pytest.mark.parametrize("generated", [True, False])
+def test_a_batch_of_another_shape_is_refused_as_the_handler_refuses_it(generated, monkeypatch):
+    """A batch input written inline takes its rows only from a batch of the plan's shape; any
+    other goes to ``on_input``, which names the shapes (the loop of handlers raises the same)."""
+    monkeypatch.setattr(straight, "ENABLED", generated)
+    mf, m, full = _planned("gpt_1f1b")
+    prog = _program((mf, m, full))
+    inputs, target = mf.get_batch(0, None)
+    prog.train_batch((*inputs, target))  # the plan's shape: trains
+    if generated:
+        assert "R.batch[" in _source(prog)  # the rows are taken inline
+    with pytest.raises(ValueError, match=r"local tensor of shape \(3, "):
+        prog.train_batch((*(t[:3] for t in inputs), target[:3]))

@@ -159,6 +159,16 @@ class Region:
         """One contiguous interval per dim (the local tensor is a plain slice of the logical one)."""
         return all(len(ivs) == 1 for ivs in self.intervals)
 
+    def box_index(self) -> tuple[slice, ...] | None:
+        """Where a box region lies in its logical tensor, as an index of slices (``full[index]``
+        is ``slice_of(full)``, a view); ``()`` for the whole tensor, None for a region that is
+        not a box."""
+        if not self.is_box():
+            return None
+        if all(ivs == ((0, s),) for ivs, s in zip(self.intervals, self.shape)):
+            return ()
+        return tuple(slice(a, b) for ((a, b),) in self.intervals)
+
     def intersect(self, other: Region) -> Region:
         """The spatial intersection; the value part is ``self``'s (parts are matched by callers)."""
         if self.shape != other.shape:

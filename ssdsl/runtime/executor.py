@@ -162,6 +162,24 @@ def _without_grad(waits: Iterator[Wait]) -> Iterator[Wait]:
         yield w
 
 
+def take_index(ins: Any) -> tuple[torch.Size, tuple[slice, ...] | None]:
+    """The shape of the batch input a ``TakeInput`` reads, and the index of slices that takes
+    its rows (its micro-batch box, then its region inside the box) as a view: ``()`` for the
+    whole input, None where either is not a box (``Region.slice_of`` then gathers them)."""
+    box = ins.box
+    inner = ins.region.box_index()
+    if box is None:
+        return torch.Size(ins.region.shape), inner
+    outer = box.box_index()
+    if inner is None or outer is None:
+        return torch.Size(box.shape), None
+    if not inner:
+        return torch.Size(box.shape), outer
+    outer = outer or tuple(slice(0, n) for n in box.shape)
+    return torch.Size(box.shape), tuple(slice(o.start + i.start, o.start + i.stop)
+                                        for o, i in zip(outer, inner))
+
+
 class Runner(Handler):
     """The instruction handlers of one rank; communication goes through ``meet``, ``meet_all``
     and ``post``, which each backend defines."""
@@ -189,6 +207,7 @@ class Runner(Handler):
         self._prebuilt: dict[int, tuple[Any, Any]] = {}  # id(instruction) -> (it, handler)
         self._sequences: dict[int, tuple[Program, list]] = {}  # id(program) -> (it, steps)
         self._generated: dict[int, tuple[Program, Any]] = {}  # id(program) -> (it, its code)
+        self._takes: dict[int, tuple] = {}  # id(TakeInput) -> (it, batch shape, index)
         self._leaves_of: dict[int, tuple[Any, RankState, list]] = {}  # id(bucket) -> leaves
         # the state and its leaves that ``on_step`` makes sure have a gradient
         self._stepped: tuple[RankState, list[torch.Tensor]] | None = None
@@ -295,6 +314,12 @@ class Runner(Handler):
 
     def on_input(self, ins) -> None:
         x = self.batch[ins.index]
+        got = self._takes.get(id(ins))
+        if got is None or got[0] is not ins:
+            got = self._takes[id(ins)] = (ins, *take_index(ins))
+        if got[2] is not None and x.shape == got[1]:  # a view, as slice_of gives
+            self.env[ins.out] = x[got[2]] if got[2] else x
+            return
         if ins.box is not None:
             x = ins.box.slice_of(x)
         self.env[ins.out] = ins.region.slice_of(x)
@@ -466,15 +491,22 @@ class Runner(Handler):
         the weight half."""
         tensors, grads = self._starts(ins.seeds, ins.roots)
         env = self.env
-        wanted = [env[v] for v in (*ins.inputs, *ins.keep)
-                  if v in env and env[v].requires_grad]
-        if tensors and wanted:
-            torch.autograd.backward(tensors, grads, inputs=wanted, retain_graph=True)
-        for v in ins.keep:
-            t = env.get(v)
-            if t is not None and t.grad is not None:
-                self.kept[v] = t.grad
-                t.grad = None
+        names = [v for v in (*ins.inputs, *ins.keep) if v in env and env[v].requires_grad]
+        if tensors and names:
+            # autograd.grad hands the gradients over as they are; backward(inputs=...) would
+            # accumulate each into a .grad, copying every one that autograd still holds
+            got = torch.autograd.grad(tensors, [env[v] for v in names], grads,
+                                      retain_graph=True, allow_unused=True)
+            keep = set(ins.keep)
+            for v, g in zip(names, got):
+                if g is None:
+                    continue
+                if v in keep:
+                    have = self.kept.get(v)
+                    self.kept[v] = g if have is None else have + g
+                else:
+                    t = env[v]
+                    t.grad = g if t.grad is None else t.grad + g
         self._collect(ins.collect)
 
     def on_backward_weight(self, ins) -> None:

@@ -5,7 +5,8 @@ executor only).
 closure call, an argument binder's list and a dict update. ``straight(runner, program)`` writes
 the program out instead as Python functions of a few hundred instructions each, compiled once:
 a call becomes ``e['y'] = f7(e['x'], K[3])`` (the callable and the argument templates that
-``ssdsl.runtime.prebuilt`` works out), a weight's shard ``e['w'] = L[2]``, a free a few
+``ssdsl.runtime.prebuilt`` works out), a weight's shard ``e['w'] = L[2]``, a batch input's
+rows ``e['x'] = R.batch[0][K[4]]`` (a view, as ``Region.slice_of`` gives), a free a few
 ``pop``s; every other instruction is handed, as it is, to the handler ``Runner.run`` would call.
 
 What runs is what ``Runner.run`` runs, instruction by instruction and in the program's order:
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
 
 from ssdsl.ops.core import Slot
 from ssdsl.runtime.prebuilt import _has_slot, call_parts
@@ -128,7 +130,7 @@ def _param_lines(src: _Source, runner: Any, ins: Any, k: int) -> list[str] | Non
     if ins.scale != 1.0:
         return None
     leaf = runner.state.leaves[(ins.tensor, ins.region)]
-    return [f"if R.state is S:", f"    e[{ins.out!r}] = {src.const(leaf)}", "else:",
+    return ["if R.state is S:", f"    e[{ins.out!r}] = {src.const(leaf)}", "else:",
             f"    R.on_param(I[{k}])"]
 
 
@@ -139,7 +141,20 @@ def _free_lines(src: _Source, runner: Any, ins: Any, k: int) -> list[str] | None
     return ["for t in (e, R.grads, R.kept):", "    if t:", f"        {pops}"]
 
 
-_INLINE = {"call": _call_lines, "param": _param_lines, "free": _free_lines}
+def _input_lines(src: _Source, runner: Any, ins: Any, k: int) -> list[str] | None:
+    """A batch input's rows: an index of slices into the whole batch (a view), where the batch
+    has the shape the plan was made for; ``on_input`` otherwise (which says what is wrong)."""
+    from ssdsl.runtime.executor import take_index
+    shape, index = take_index(ins)
+    if index is None:
+        return None
+    take = f"x[{src.const(index)}]" if index else "x"
+    return [f"x = R.batch[{ins.index}]", f"if x.shape == {src.const(shape)}:",
+            f"    e[{ins.out!r}] = {take}", "else:", f"    R.on_input(I[{k}])"]
+
+
+_INLINE = {"call": _call_lines, "param": _param_lines, "free": _free_lines,
+           "input": _input_lines}
 
 _STATE = "fast = R._region is None and not R._frozen"
 
