@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-
 from ssdsl.ops.core import Slot
 from ssdsl.runtime.prebuilt import _has_slot, call_parts
 
