@@ -231,6 +231,8 @@ LEVERS = {
     "copies": ("ssdsl.materialize.copies", "ENABLED", False),
     "cut_bytes": ("ssdsl.schedule.resolve", "STAGE_SLACK", 0.0),
     "own_loss": ("ssdsl.lower.build", "OWN_LOSS", False),
+    # a rank's last backward in one walk (no gradients sent before the weights')
+    "send_first": ("ssdsl.lower.build", "SEND_FIRST", False),
     "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
     "early_loss": ("ssdsl.runtime.early_loss", "ENABLED", False),
     "sender": ("ssdsl.runtime.sender", "ENABLED", False),

@@ -16,7 +16,7 @@ from ssdsl.elaborate.directives import ElaboratedPlan
 from ssdsl.trace import trace
 from ssdsl.trace.model_file import load_model_file
 from ssdsl.trace.table import plan_word
-from ssdsl.transform import Part, Transformed, transform
+from ssdsl.transform import Part, Transformed
 
 
 def check_model(model: str, plan: ElaboratedPlan, *, as_json: bool = False,

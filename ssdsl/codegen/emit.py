@@ -236,7 +236,10 @@ class _Emitter(Handler):
         return found
 
     def on_backward(self, ins) -> None:
-        self._hand(ins, f"backward of a segment from {len(ins.seeds)} loss part(s) and "
+        what = {"whole": "backward of a segment",
+                "sent": "first walk of a segment's backward (the gradients it sends on)",
+                "rest": "second walk of a segment's backward (the weights' gradients)"}[ins.part]
+        self._hand(ins, f"{what} from {len(ins.seeds)} loss part(s) and "
                    f"{len(ins.roots)} received gradient(s)")
 
     def on_backward_input(self, ins) -> None:

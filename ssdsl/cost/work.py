@@ -486,9 +486,11 @@ def _executor_overlap(m: Materialized, d: int, mine, nbytes) -> tuple[dict, bool
         return {}, True
     position = {ins.bucket: i for i, ins in enumerate(reduces)}
     split = {position[b]: parts for b, parts in run.parts.items()}
-    kinds = [ins.kind for ins in program.instructions]
-    begin = max(i for i, k in enumerate(kinds) if k == "begin")
-    pieces = sum(1 for k in kinds[begin:] if k in ("backward", "backward_weight"))
+    ins = program.instructions
+    begin = max(i for i, x in enumerate(ins) if x.kind == "begin")
+    # a two-walk backward's first walk computes no weight's gradient (``Backward.part``)
+    pieces = sum(1 for x in ins[begin:] if x.kind in ("backward", "backward_weight")
+                 and getattr(x, "part", "whole") != "sent")
     return split, pieces <= 1
 
 

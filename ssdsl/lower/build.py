@@ -55,11 +55,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import torch
 
 from ssdsl.gcpause import gc_paused
 from ssdsl.ir.graph import Op
-from ssdsl.ir.region import Region
 from ssdsl.lower.instr import (Backward, BackwardInput, BackwardWeight, Begin, Call, Coll, Comm,
                                Cut, End, Free, FreeParams, GatherBucket, GatherParams,
                                LocalAdapter, LocalStep, LossSum, Msg, OptimizerStep, P2P, Program,
@@ -76,6 +74,9 @@ from ssdsl.transform.parts import Part
 # holds the plan's largest adapter direction (``tag_stride``: 4,096 ranks move some tensors in
 # 8,192 messages), so a plan that fits keeps its tags.
 TAG_STRIDE = 4096
+# a rank's last backward sends the stage before its gradients before computing the weights'
+# (``_RankLowering._sent_first``); False lowers every backward in one walk (benchmarks compare)
+SEND_FIRST = True
 
 # False sums the loss over all ranks even where each holds all of it (``own_loss``;
 # ``bench/bench_peers.py --off own_loss`` compares)
@@ -353,6 +354,7 @@ class _Segment:
     inputs: list[str] = attrs.Factory(list)  # received leaves it reads (split backward)
     buckets: set[int] = attrs.Factory(set)  # ZeRO-3 buckets whose weights its calls read
     mixes: list[tuple[tuple[str, ...], tuple[tuple[str, str], ...]]] = attrs.Factory(list)
+    recomputed: bool = False  # some of its calls run again in backward (checkpointed)
 
 
 class _RankLowering:
@@ -394,6 +396,7 @@ class _RankLowering:
         self.gathered: set[int] = set()
         self.z3_order: dict[int, list[int]] = {}
         self.last_backward: dict[int, str] = {}
+        self.device_last_backward: str | None = None  # this rank's last B unit
         self.reduced: set[int] = set()
         self.next_unit: dict[str, str] = {}
         self.kept: tuple[str, frozenset[int]] = ("", frozenset())  # forward unit, buckets
@@ -417,6 +420,7 @@ class _RankLowering:
         for unit, _ in units:
             if _split_unit(unit)[1] == "B":
                 self.last_backward[_split_unit(unit)[0]] = unit
+                self.device_last_backward = unit
         self.next_unit = {a: b for (a, _), (b, _) in zip(units, units[1:])}
         for unit, span in units:
             self.out.append(Begin(unit, span=span, grad=_split_unit(unit)[0] not in frozen))
@@ -885,6 +889,8 @@ class _RankLowering:
             self.region_chunk = chunk  # a co-sharded part's region holds that part only
             self.n_regions += 1
             self.out.append(RecomputeBegin((), (), span=span))
+            if self.seg is not None:
+                self.seg.recomputed = True
         elif span is None:
             self._close_region()
         outs = tuple(self._value(x, op.name, part, mb) for x in op.outputs)
@@ -957,6 +963,7 @@ class _RankLowering:
         gathered: set[int] = set(kept)  # still gathered from the forward
         waited: set[int] = set(kept)
         final = self.last_backward.get(stage) == unit
+        first = self._sent_first(unit, items, runs)
         for item in reversed(items):
             if isinstance(item, _Segment):
                 # a segment may hold only cuts that a later segment reads (a weight cut after
@@ -965,13 +972,52 @@ class _RankLowering:
                 if item.seeds or item.roots or item.collect:
                     k = runs.index(item)
                     self._regather(item, runs[k + 1:], gathered, waited)
-                    self.out.append(Backward(tuple(item.seeds), tuple(item.roots),
-                                             tuple(item.collect), span=item.span or span))
+                    args = (tuple(item.seeds), tuple(item.roots), tuple(item.collect))
+                    if item is first:
+                        self.out.append(Backward(*args, part="sent", span=item.span or span))
+                        continue  # the rest, and the buckets it releases, after the sends
+                    self.out.append(Backward(*args, span=item.span or span))
                     for b in sorted(b for b in item.buckets if last[b] == k):
                         self._release(b, final)
             else:
                 self._backward_comm(item)
+        if first is not None:
+            k = runs.index(first)
+            self.out.append(Backward(tuple(first.seeds), tuple(first.roots),
+                                     tuple(first.collect), part="rest", span=first.span or span))
+            for b in sorted(b for b in first.buckets if last[b] == k):
+                self._release(b, final)
         self.out.append(Free(tuple(self.made.get(forward, ())), span=span))
+
+    def _sent_first(self, unit: str, items: list, runs: list[_Segment]) -> _Segment | None:
+        """The segment whose backward this unit runs in two walks (``Backward.part``), or None:
+        in this rank's last backward unit, the segment nearest the unit's inputs, when the
+        gradients it collects are what the unit sends on and nothing but communication follows
+        its backward. The stage before waits for those gradients while nothing here does: the
+        first walk computes them alone and they leave before the second walk computes the
+        weights' gradients (walking the graph again), so the wait down the pipeline shrinks
+        from a whole backward to an input-gradient one. Not where the segment's calls are
+        recomputed in backward (a second walk would recompute them again)."""
+        if not SEND_FIRST or self.split or unit != self.device_last_backward or not runs:
+            return None
+        seg = runs[-1]  # reversed: the last one to run
+        if not seg.collect or seg.recomputed or (not seg.seeds and not seg.roots):
+            return None
+        after = items[:items.index(seg)]  # before it in the forward: after it in backward
+        if any(isinstance(it, _Segment) and (it.seeds or it.roots or it.collect)
+               for it in after):
+            return None
+        if not any(isinstance(it, _Point) and self._sends_back(self.m.edges[it.key].adapter)
+                   for it in after):
+            return None  # its gradients go to no other device: nobody waits for them
+        return seg
+
+    def _sends_back(self, ad: Adapter) -> bool:
+        """Whether this rank sends another device gradients in ``ad``'s backward."""
+        return _has_grad(ad) and any(
+            m.src == self.rank and m.dst != self.rank
+            for step in ad.backward.steps if isinstance(step, PointToPoint)
+            for m in step.messages)
 
     def _regather(self, seg: _Segment, later: list[_Segment], gathered: set[int],
                   waited: set[int]) -> None:

@@ -213,12 +213,20 @@ class Comm:
 class Backward:
     """Autograd over one segment: from ``seeds`` (loss parts, gradient one) and ``roots`` (values
     whose gradient the table holds), then each ``(leaf, into)`` of ``collect`` adds the leaf's
-    gradient to ``into``'s entry of the table."""
+    gradient to ``into``'s entry of the table.
+
+    ``part`` walks the segment in two: ``"sent"`` computes the gradients of the ``collect``
+    leaves alone (into the table as above) and keeps the graph and the roots' gradients;
+    a later ``"rest"`` of the same segment walks it again from the same seeds and roots, into
+    every other leaf (the weights), and collects nothing. Between them stands the
+    communication that sends the collected gradients on (``"whole"``: one walk does all)."""
 
     kind: ClassVar[str] = "backward"
     seeds: tuple[str, ...]
     roots: tuple[str, ...]
     collect: tuple[tuple[str, str], ...]
+    part: str = attrs.field(default="whole",
+                            validator=attrs.validators.in_(("whole", "sent", "rest")))
     span: Span | None = _span()
 
 

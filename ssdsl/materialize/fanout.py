@@ -28,7 +28,7 @@ import math
 import attrs
 
 from ssdsl.ir.graph import Graph, Op, TensorRef, map_tensor_refs
-from ssdsl.ops import Annotation, SubOp, annotate, call_of
+from ssdsl.ops import Annotation, annotate, call_of
 from ssdsl.transform.parts import Part, Regions, Transformed, whole_part
 
 FANOUT_PREFIX = "fanout_"

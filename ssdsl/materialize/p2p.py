@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from ssdsl.errors import SsdslError
-from ssdsl.ir.region import Intervals, Region
+from ssdsl.ir.region import Region
 from ssdsl.materialize.steps import Message, Placement, PointToPoint
 
 

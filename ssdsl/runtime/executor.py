@@ -453,9 +453,10 @@ class Runner(Handler):
         return outs
 
     # -- backward -------------------------------------------------------------------------------
-    def _starts(self, seeds, roots) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _starts(self, seeds, roots, take: bool = True
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Where a backward starts: loss parts (gradient one) and values whose gradient the
-        table holds (taken out of it)."""
+        table holds (taken out of it; with ``take=False`` left there for a second walk)."""
         env = self.env
         tensors, grads = [], []
         for v in seeds:
@@ -463,18 +464,46 @@ class Runner(Handler):
             if t is not None and t.requires_grad:
                 tensors.append(t)
                 grads.append(torch.ones_like(t))
+        table = self.grads
         for v in roots:
-            t, g = env.get(v), self.grads.pop(v, None)
+            t, g = env.get(v), table.pop(v, None) if take else table.get(v)
             if t is not None and g is not None and t.requires_grad:
                 tensors.append(t)
                 grads.append(g)
         return tensors, grads
 
     def on_backward(self, ins) -> None:
+        part = ins.part
+        if part == "sent":
+            return self._backward_sent(ins)
         tensors, grads = self._starts(ins.seeds, ins.roots)
         if tensors:
             torch.autograd.backward(tensors, grads)
+        if part == "rest":  # the collected leaves' gradients left with the first walk
+            env = self.env
+            for leaf, _ in ins.collect:
+                t = env.get(leaf)
+                if t is not None:
+                    t.grad = None
+            return None
         self._collect(ins.collect)
+
+    def _backward_sent(self, ins) -> None:
+        """The first walk of a two-walk backward: the collected leaves' gradients alone (autograd
+        computes only what lies on their way), the graph and the roots' gradients kept."""
+        tensors, grads = self._starts(ins.seeds, ins.roots, take=False)
+        env = self.env
+        pairs = [(leaf, into) for leaf, into in ins.collect
+                 if leaf in env and env[leaf].requires_grad]
+        if not tensors or not pairs:
+            return
+        got = torch.autograd.grad(tensors, [env[leaf] for leaf, _ in pairs], grads,
+                                  retain_graph=True, allow_unused=True)
+        table = self.grads
+        for (_, into), g in zip(pairs, got):
+            if g is not None:
+                have = table.get(into)
+                table[into] = g if have is None else have + g
 
     def _collect(self, collect) -> None:
         env = self.env
