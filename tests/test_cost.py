@@ -497,3 +497,28 @@ def test_convolution_flops_are_torch_s_count(tmp_path, dims, groups, pad, stride
     with FlopCounterMode(display=False) as counter:
         mf.build()(*inputs)
     assert w.flops == counter.get_total_flops()
+
+
+@pytest.mark.parametrize("m", [2, 4, 7])
+def test_a_last_backward_walked_in_two_lets_the_stage_before_start_early(m):
+    """Two stages, F = 1, B = 2, no communication; stage 1's last backward walked in two
+    (an input half of 1, then a whole backward of 2): its gradient leaves 1 after it starts, so
+    stage 0's last backward ends with it, by hand 3 (m + 1) - 1 instead of 3 (m + 1)."""
+    s = one_f_one_b(2, m)
+    costs = attrs.evolve(_uniform(s), sent_first=frozenset({(1, 1, m - 1)}))
+    opts = CostOptions(profile=FLAT, cluster=Cluster(2, 8))
+    r = simulate_costs(costs, s, ((0,), (1,)), opts)
+    assert r.makespan == pytest.approx(3.0 * (m + 1) - 1)
+    last = {iv.rank: iv for iv in r.intervals if iv.unit.mb == m - 1 and iv.unit.kind.value == "B"}
+    assert last[1].end - last[1].start == pytest.approx(3.0)
+    assert last[0].start == pytest.approx(last[1].start + 1.0)
+    assert r.devices[1].compute == pytest.approx(m * 1.0 + (m - 1) * 2.0 + 3.0)
+
+
+def test_the_cost_model_reads_which_backwards_the_lowering_walks_in_two(gpt):
+    _, _, graph = gpt
+    t, lowered = schedule_plan(graph, elaborate_file("1f1b", world=2, sets={}))
+    m = materialize(t, schedule=lowered)
+    # the last stage's last micro-batch: the only backward that sends on and ends its rank
+    assert plan_costs(m, CostOptions(profile=FLAT, cluster=Cluster(2, 8))).sent_first == \
+        frozenset({(1, 1, 3)})

@@ -165,22 +165,33 @@ class _Sim(UnitWalk):
         super().__init__(schedule, len(groups))
         self.costs, self.groups = costs, groups
         self.out: list[Interval] = []
+        # a backward walked in two (``PlanCosts.sent_first``): when its gradients leave
+        self.sent_at: dict[Unit, float] = {}
 
     def unit_cost(self, d: int, stage: int) -> UnitCost:
         return self.costs.units.get((d, stage), UnitCost())
+
+    def _two_walks(self, unit: Unit, rank: int) -> bool:
+        return unit.kind is Pass.B and \
+            (self.groups[rank][0], unit.stage, unit.mb) in self.costs.sent_first
 
     def rank_duration(self, unit: Unit, rank: int) -> float:
         times = []
         for d in self.groups[rank]:
             c = self.unit_cost(d, unit.stage)
             times.append(c.forward if unit.kind is Pass.F else c.backward * _HALF.get(unit.kind, 1))
-        return max(times, default=0.0)
+        longest = max(times, default=0.0)
+        if self._two_walks(unit, rank):  # the first walk (an input half), then a whole one
+            return longest * (1 + _HALF[Pass.I])
+        return longest
+
+    def record(self, unit: Unit, r: int, start: float, end: float) -> None:
+        if self._two_walks(unit, r):
+            self.sent_at[unit] = start + (end - start) * _HALF[Pass.I] / (1 + _HALF[Pass.I])
+        self.out.append(Interval(unit, r, start, end))
 
     def duration(self, unit: Unit, hosts: tuple[int, ...]) -> float:
         return max(self.rank_duration(unit, h) for h in hosts)
-
-    def record(self, unit: Unit, r: int, start: float, end: float) -> None:
-        self.out.append(Interval(unit, r, start, end))
 
     def delay(self, dep: Unit, unit: Unit, rank: int) -> float:
         """Time ``dep``'s tensors take to reach ``unit`` (on ``rank``)."""
@@ -201,6 +212,8 @@ class _Sim(UnitWalk):
             done = self.end.get(dep)
             if done is None:
                 return dep
+            if dep.stage != unit.stage:  # a backward walked in two sent them after its first
+                done = self.sent_at.get(dep, done)
             start = max(start, done + self.delay(dep, unit, r))
         return start
 
@@ -228,7 +241,9 @@ def _device_report(costs: PlanCosts, schedule: Schedule, groups, intervals, d: i
             peak_act = max(peak_act, live)
             timeline.append((iv.end, static.total + live))
             continue
-        compute += (c.bwd_compute + c.recompute) * share
+        walks = 1 + _HALF[Pass.I] if (d, iv.unit.stage, iv.unit.mb) in costs.sent_first \
+            and iv.unit.kind is Pass.B else 1.0  # a backward walked in two
+        compute += (c.bwd_compute + c.recompute) * share * walks
         comm += c.bwd_comm * share
         if iv.unit.kind is not Pass.W:
             comm += _received(costs.bwd_delay, iv.unit.stage, d, schedule, fwd=False)

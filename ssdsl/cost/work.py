@@ -92,6 +92,9 @@ class PlanCosts:
     # start, each (share of that backward done when its gradients are final, seconds);
     # ``reducer`` holds the other buckets, reduced after it
     overlapped: Mapping[int, tuple[tuple[float, float], ...]] = attrs.field(factory=dict)
+    # (device, stage, micro-batch) of each backward unit whose program walks it in two, sending
+    # its gradients after the first walk (``Backward.part``, read from the lowered programs)
+    sent_first: frozenset[tuple[int, int, int]] = frozenset()
 
 
 @attrs.frozen(kw_only=True)
@@ -119,7 +122,25 @@ def plan_costs(m: Materialized, opts: CostOptions) -> PlanCosts:
     memory, reducer, optimizer, overlapped = _static(m, opts, devices)
     frozen = {k: UnitCost(**v) for k, v in units.items()}
     return PlanCosts(frozen, fwd_delay, bwd_delay, reducer, optimizer, memory, devices,
-                     loss_collective(m), overlapped)
+                     loss_collective(m), overlapped, _sent_first(m))
+
+
+def _sent_first(m: Materialized) -> frozenset[tuple[int, int, int]]:
+    """The backward units the lowering walks in two (``Backward.part == 'sent'``), per device:
+    read from one program per pipeline rank (a rank's devices run the same units)."""
+    lowered = m.schedule
+    if lowered is None or lowered.schedule.stages.num_stages < 2:
+        return frozenset()
+    classes, out = classes_of(m), set()
+    for group in lowered.groups:
+        unit = None
+        for ins in classes.representative(group[0]).instructions:
+            if ins.kind == "begin":
+                unit = ins.unit
+            elif ins.kind == "backward" and ins.part == "sent" and unit is not None:
+                stage, mb = unit.split("B")
+                out.update((d, int(stage), int(mb)) for d in group)
+    return frozenset(out)
 
 
 # ------------------------------------------------------------------------------ compute
