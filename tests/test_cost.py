@@ -10,7 +10,6 @@ from pathlib import Path
 
 import attrs
 import pytest
-import torch
 
 from ssdsl.cost import Cluster, CostOptions, estimate, profile, simulate_costs
 from ssdsl.cost.collectives import Link
