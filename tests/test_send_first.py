@@ -14,38 +14,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 import ssdsl.lower.build as build
-from ssdsl.check.program import check_programs
-from ssdsl.elaborate import elaborate_file
-from ssdsl.lower import lower_plan
 from ssdsl.lower.text import parse_program, program_text
-from ssdsl.materialize.program import materialize
-from ssdsl.runtime.job import schedule_plan
 from ssdsl.runtime.simulate import simulate_model_file
 from ssdsl.runtime.verify import compare_with_model
-from ssdsl.trace.export import trace
-from ssdsl.trace.model_file import load_model_file
 
-ROOT = Path(__file__).resolve().parent.parent
-GPT = str(ROOT / "examples" / "gpt.py")
-_GRAPH: list = []
+from tests.test_boundary_reads import RECOMPUTED  # 1F1B on 2 devices, stage 1 recomputed
+from tests.test_own_loss import _plan
+
 
 
 def _lower(tmp: Path, plan: str, world: int, **sets):
-    mf = load_model_file(GPT)
-    if not _GRAPH:
-        _GRAPH.append(trace(mf, device="cpu", model=mf.build(seed=0).to(torch.float64)))
+    """Every rank's checked program of ``plan`` (a stdlib name or a plan's text) on the GPT."""
     if "\n" in plan:
         (tmp / "p.ssp").write_text(plan)
         plan = str(tmp / "p.ssp")
-    t, low = schedule_plan(_GRAPH[0], elaborate_file(plan, world=world,
-                                                     sets={k: str(v) for k, v in sets.items()}))
-    m = materialize(t, dtype=torch.float64, schedule=low)
-    programs = lower_plan(m).programs
-    check_programs(programs, m=m)
-    return mf, m, programs
+    return _plan(plan, world, **sets)
 
 
 def _parts(p) -> list[tuple[int, str]]:
@@ -95,19 +80,6 @@ def test_without_the_rule_every_backward_is_one_walk(tmp_path, monkeypatch):
     assert all(_parts(p) == [] for p in programs)
     problems, _, _ = compare_with_model(m, mf, simulate_model_file(m, programs, mf))
     assert not problems, problems
-
-
-ORDERS = """
-for s in 0..2:
-    assign st[s] to device s
-    let warm = min(1 - s, mbs)
-    order on device s:
-        forward st[s] mb 0..warm,
-        interleave(forward st[s] mb warm..mbs, backward st[s] mb 0..mbs - warm),
-        backward st[s] mb mbs - warm..mbs
-"""
-RECOMPUTED = ("plan p(mbs: int = 4)\nmicrobatch along batch into mbs\n"
-              "stages h.0, h.1 as st\nrecompute st[1]\n" + ORDERS)
 
 
 def test_a_recomputed_stage_is_walked_once(tmp_path):
