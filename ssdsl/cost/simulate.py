@@ -158,6 +158,14 @@ def _reduced_at(costs: PlanCosts, intervals: list[Interval], rank: int, d: int,
     return max(t, end) + (1 - hidden) * beside + costs.reducer.get(d, 0.0)
 
 
+def _walks(costs: PlanCosts, d: int, unit: Unit) -> float:
+    """How many backwards' work ``unit`` does on device ``d``: an input half and a whole one
+    where the programs walk it in two (``PlanCosts.sent_first``), else 1."""
+    if unit.kind is Pass.B and (d, unit.stage, unit.mb) in costs.sent_first:
+        return 1 + _HALF[Pass.I]
+    return 1.0
+
+
 class _Sim(UnitWalk):
     """Mutable state of one simulation (lives only inside ``simulate_costs``)."""
 
@@ -171,27 +179,21 @@ class _Sim(UnitWalk):
     def unit_cost(self, d: int, stage: int) -> UnitCost:
         return self.costs.units.get((d, stage), UnitCost())
 
-    def _two_walks(self, unit: Unit, rank: int) -> bool:
-        return unit.kind is Pass.B and \
-            (self.groups[rank][0], unit.stage, unit.mb) in self.costs.sent_first
-
     def rank_duration(self, unit: Unit, rank: int) -> float:
         times = []
         for d in self.groups[rank]:
             c = self.unit_cost(d, unit.stage)
             times.append(c.forward if unit.kind is Pass.F else c.backward * _HALF.get(unit.kind, 1))
-        longest = max(times, default=0.0)
-        if self._two_walks(unit, rank):  # the first walk (an input half), then a whole one
-            return longest * (1 + _HALF[Pass.I])
-        return longest
-
-    def record(self, unit: Unit, r: int, start: float, end: float) -> None:
-        if self._two_walks(unit, r):
-            self.sent_at[unit] = start + (end - start) * _HALF[Pass.I] / (1 + _HALF[Pass.I])
-        self.out.append(Interval(unit, r, start, end))
+        return max(times, default=0.0) * _walks(self.costs, self.groups[rank][0], unit)
 
     def duration(self, unit: Unit, hosts: tuple[int, ...]) -> float:
         return max(self.rank_duration(unit, h) for h in hosts)
+
+    def record(self, unit: Unit, r: int, start: float, end: float) -> None:
+        walks = _walks(self.costs, self.groups[r][0], unit)
+        if walks != 1.0:  # the gradients leave after the first walk, an input half
+            self.sent_at[unit] = start + (end - start) * _HALF[Pass.I] / walks
+        self.out.append(Interval(unit, r, start, end))
 
     def delay(self, dep: Unit, unit: Unit, rank: int) -> float:
         """Time ``dep``'s tensors take to reach ``unit`` (on ``rank``)."""
@@ -241,9 +243,7 @@ def _device_report(costs: PlanCosts, schedule: Schedule, groups, intervals, d: i
             peak_act = max(peak_act, live)
             timeline.append((iv.end, static.total + live))
             continue
-        walks = 1 + _HALF[Pass.I] if (d, iv.unit.stage, iv.unit.mb) in costs.sent_first \
-            and iv.unit.kind is Pass.B else 1.0  # a backward walked in two
-        compute += (c.bwd_compute + c.recompute) * share * walks
+        compute += (c.bwd_compute + c.recompute) * share * _walks(costs, d, iv.unit)
         comm += c.bwd_comm * share
         if iv.unit.kind is not Pass.W:
             comm += _received(costs.bwd_delay, iv.unit.stage, d, schedule, fwd=False)
