@@ -35,7 +35,7 @@ from ssdsl.materialize.program import Materialized
 from ssdsl.runtime import checkpoint as ckpt
 from ssdsl.runtime import dist as sdist
 from ssdsl.runtime.executor import RankProgram, create_groups
-from ssdsl.runtime.job import DTYPES, JobSpec, plan_job, plan_with_state
+from ssdsl.runtime.job import DTYPES, JobSpec, agreed_for_host, plan_job, plan_with_state
 from ssdsl.runtime.preflight import Verification, verify_before_launch
 from ssdsl.runtime.train import OptimizerSpec, autocast
 from ssdsl.trace.model_file import ModelFile, default_loss, default_optimizer
@@ -169,6 +169,7 @@ def parallelize(model: str | Path | torch.nn.Module, plan: str, *,
                          hint="pass the module itself, or the path of a model file")
     spec = JobSpec(name, plan, tuple((sets or {}).items()), batch_size=batch_size,
                    seed=seed, dtype=dtype, optimizer=optimizer, lr=lr)
+    spec = agreed_for_host(spec, ctx)  # before anything is planned: every rank lowers alike
     if mf is None:
         verification = verify_before_launch(spec, ctx.world_size, enabled=verify)
         mf, m, source = plan_with_state(spec, ctx)  # this rank's shards only, never the model

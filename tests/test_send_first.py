@@ -99,3 +99,44 @@ def test_plans_that_send_no_stage_gradients_or_split_already_are_unchanged(
     backwards are split by the plan itself."""
     _, _, programs = _lower(tmp_path, plan, world, **sets)
     assert all(_parts(p) == [] for p in programs)
+
+
+def test_a_job_whose_ranks_share_cores_plans_every_backward_in_one_walk(tmp_path, monkeypatch):
+    """The job decides once, before planning (``JobSpec.send_first``): on CPU ranks that share
+    cores the second walk would take a core another rank needs. The programs then have no
+    parts, and still train like the model."""
+    import attrs
+
+    from ssdsl.runtime.job import JobSpec, for_host, plan_from_graph
+    from tests.test_own_loss import GPT
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("SSDSL_RANK_CPUS", raising=False)
+    spec = JobSpec(str(GPT), "1f1b", dtype="float64")
+    assert for_host(spec, local=4, threads=1).send_first is False   # 4 ranks on 2 cores
+    assert for_host(spec, local=2, threads=1).send_first is True    # a core each
+    assert for_host(spec, local=2, threads=2).send_first is False   # 4 threads on 2 cores
+    assert for_host(spec, local=4, threads=1, device="cuda").send_first is True  # a GPU each
+    decided = attrs.evolve(spec, send_first=True)
+    assert for_host(decided, local=4, threads=1) is decided           # decided once
+    compiled = attrs.evolve(spec, compiled="out")  # the files keep what they were written with
+    assert for_host(compiled, local=4, threads=1).send_first is None
+
+    mf, _, _ = _lower(tmp_path, "1f1b", 2)  # the shared float64 trace
+    from tests.test_own_loss import _GRAPH
+    for shared in (True, False):
+        job = for_host(spec, local=4 if shared else 2, threads=1)
+        m = plan_from_graph(job, 2, _GRAPH[0])
+        assert m.send_first is not shared
+        programs = build.lower_plan(m).programs
+        assert any(_parts(p) for p in programs) is not shared
+        problems, _, _ = compare_with_model(m, mf, simulate_model_file(m, programs, mf))
+        assert not problems, problems
+
+
+def test_the_launcher_gives_its_ranks_the_threads_it_decides_with(monkeypatch):
+    from ssdsl.runtime.launch import rank_threads
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert rank_threads(4, {}) == 1 and rank_threads(2, {}) == 1 and rank_threads(1, {}) == 2
+    assert rank_threads(4, {"OMP_NUM_THREADS": "3"}) == 3
+    assert rank_threads(2, {"OMP_NUM_THREADS": "x"}) == 1  # unreadable: the cores shared out

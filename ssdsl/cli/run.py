@@ -233,12 +233,17 @@ def _train(spec: Any, args: argparse.Namespace, progress: Any, *, world: int,
            rank: int | None):
     """Launch (or, under torchrun, be one rank of) the job, showing progress; rank 0's result
     and the verification before launch, or None on the other ranks under torchrun."""
-    from ssdsl.runtime.job import launch_files, rank_main
-    from ssdsl.runtime.launch import launch, set_local_event_handler
+    from ssdsl.runtime.dist import pick_backend
+    from ssdsl.runtime.job import for_host, launch_files, rank_main
+    from ssdsl.runtime.launch import launch, rank_threads, set_local_event_handler
 
+    device = "cuda" if pick_backend() == "nccl" else "cpu"
     if rank is not None:
         # Under torchrun every rank plans and verifies (the same, deterministic answer), so
-        # all stop together; each process sees only its own events, rank 0 shows them.
+        # all stop together; each process sees only its own events, rank 0 shows them. The
+        # host decides the lowering once, here, before the plan is checked (torchrun runs as
+        # many ranks on every node)
+        spec = for_host(spec, device=device)
         verification = _verify(spec, world, args, rank)
         if rank == 0:
             set_local_event_handler(progress.on_event)
@@ -252,6 +257,7 @@ def _train(spec: Any, args: argparse.Namespace, progress: Any, *, world: int,
     # location and exit status 2, instead of in N processes after they started; then verify
     # it against the plain model (DESIGN §7), or say that it was not.
     ranks = f"{world} rank{'s' if world > 1 else ''}"
+    spec = for_host(spec, local=world, threads=rank_threads(world), device=device)
     with launch_files(spec, world) as planned:
         if args.no_verify:
             verification = _verify(spec, world, args, 0, planned=planned.m)

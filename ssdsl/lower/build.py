@@ -75,7 +75,8 @@ from ssdsl.transform.parts import Part
 # 8,192 messages), so a plan that fits keeps its tags.
 TAG_STRIDE = 4096
 # a rank's last backward sends the stage before its gradients before computing the weights'
-# (``_RankLowering._sent_first``); False lowers every backward in one walk (benchmarks compare)
+# (``_RankLowering._sent_first``) where the plan's job allows it (``Materialized.send_first``);
+# False lowers every backward in one walk whatever the job says (benchmarks compare)
 SEND_FIRST = True
 
 # False sums the loss over all ranks even where each holds all of it (``own_loss``;
@@ -997,8 +998,10 @@ class _RankLowering:
         first walk computes them alone and they leave before the second walk computes the
         weights' gradients (walking the graph again), so the wait down the pipeline shrinks
         from a whole backward to an input-gradient one. Not where the segment's calls are
-        recomputed in backward (a second walk would recompute them again)."""
-        if not SEND_FIRST or self.split or unit != self.device_last_backward or not runs:
+        recomputed in backward (a second walk would recompute them again), and not where the
+        job's ranks share cores (``Materialized.send_first``)."""
+        if (not (SEND_FIRST and self.m.send_first) or self.split
+                or unit != self.device_last_backward or not runs):
             return None
         seg = runs[-1]  # reversed: the last one to run
         if not seg.collect or seg.recomputed or (not seg.seeds and not seg.roots):

@@ -73,6 +73,12 @@ class Materialized:
     dtype: torch.dtype
     # The pipeline schedule (an ``ssdsl.schedule.lower.Lowered``), None for one stage.
     schedule: Any = None
+    # Whether a rank's last backward may send its gradients before computing the weights'
+    # (``ssdsl.lower.build._RankLowering._sent_first``): a second walk a device that would wait
+    # does for free. False where the ranks share cores (``ssdsl.runtime.host``): there the
+    # second walk takes a core another rank needs. The job decides (``JobSpec.send_first``)
+    # once, before any program is lowered, so that every rank and the checker lower alike.
+    send_first: bool = True
 
     def part_on(self, op: str, device: int) -> Part | None:
         """The first part of ``op`` on ``device`` (co-shard puts several there)."""
@@ -117,11 +123,12 @@ def source_names(t: Transformed) -> set[str]:
 
 @gc_paused()
 def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
-                schedule: Any = None) -> Materialized:
+                schedule: Any = None, send_first: bool = True) -> Materialized:
     """Adapters for every produced tensor's uses, source uses, and the weight-gradient reducer.
 
     With micro-batches, ``t``'s parts are one micro-batch's (local coordinates): the adapters are
-    planned once and every micro-batch runs them. ``schedule`` is passed through to the runtime.
+    planned once and every micro-batch runs them. ``schedule`` is passed through to the runtime,
+    ``send_first`` to the lowering (``Materialized.send_first``).
     """
     if schedule is None:
         t = gather_fanouts(t)
@@ -157,7 +164,7 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     reducer = plan_grad_reducer(weights, zero=zero_specs(t), gathers=2 * t.microbatches)
     _check_zero3(t, reducer, schedule)
     reducer = _keep_over(t, reducer, schedule)
-    return Materialized(t, edges, uses, reducer, dtype, schedule)
+    return Materialized(t, edges, uses, reducer, dtype, schedule, send_first)
 
 
 def zero_specs(t: Transformed) -> tuple[ZeroSpec, ...]:

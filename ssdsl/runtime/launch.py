@@ -285,10 +285,22 @@ def _rank_env(extra: Mapping[str, str] | None, *, nproc: int, port: int,
         "LOCAL_WORLD_SIZE": str(nproc), "TORCHELASTIC_USE_AGENT_STORE": "True",
         _LAUNCH_DIR_VAR: str(launch_dir), _LAUNCHER_PID_VAR: str(os.getpid()),
     })
-    # N ranks each using every core oversubscribe the CPU badly; torchrun makes the same choice.
-    if "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, len(_usable_cpus()) // nproc))
+    env["OMP_NUM_THREADS"] = str(rank_threads(nproc, env))
     return env
+
+
+def rank_threads(nproc: int, env: Mapping[str, str] | None = None) -> int:
+    """The compute threads each of ``nproc`` launched ranks uses: ``OMP_NUM_THREADS`` where
+    ``env`` (this process's environment) sets it, else the usable cores shared out, at least
+    one: N ranks each using every core oversubscribe the CPU badly; torchrun makes the same
+    choice."""
+    got = (os.environ if env is None else env).get("OMP_NUM_THREADS")
+    if got is not None:
+        try:
+            return max(1, int(got))
+        except ValueError:
+            pass
+    return max(1, len(_usable_cpus()) // nproc)
 
 
 def _usable_cpus() -> list[int]:

@@ -21,6 +21,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ssdsl.runtime.host import own_cores, pinned_host_cpus
+
 # False issues each send in the rank's own thread (``ssdsl.runtime.comm.isend``; benchmarks
 # compare)
 ENABLED = True
@@ -38,28 +40,7 @@ def wanted() -> bool:
     cores, on any of which the thread runs (it widens its own affinity)."""
     if not ENABLED:
         return False
-    if ALWAYS:
-        return True
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    host = _host_cpus()
-    if host is not None:  # a rank pinned by the launcher: the thread runs on any host core
-        cores = len(host)
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    return local * torch.get_num_threads() <= (cores or 1)
-
-
-def _host_cpus() -> set[int] | None:
-    """The launcher's CPUs where it pinned this rank to some of them, else None."""
-    got = os.environ.get("SSDSL_HOST_CPUS")
-    if not got or not os.environ.get("SSDSL_RANK_CPUS"):
-        return None
-    try:
-        return {int(c) for c in got.split(",")}
-    except ValueError:
-        return None
+    return ALWAYS or own_cores()
 
 
 class Sender:
@@ -75,7 +56,7 @@ class Sender:
         self._thread.start()
 
     def _run(self) -> None:
-        host = _host_cpus()
+        host = pinned_host_cpus()
         if host and hasattr(os, "sched_setaffinity"):  # this thread only (Linux: pid 0)
             try:
                 os.sched_setaffinity(0, host)
