@@ -50,7 +50,8 @@ def grad_tensors(graph: Graph) -> frozenset[str]:
     return found
 
 
-def _grad_tensors(graph: Graph) -> frozenset[str]:
+def _grad_tensors(graph: Graph, *, remember: bool = True) -> frozenset[str]:
+    """The answer of ``grad_tensors``; ``remember=False`` runs every operator on meta."""
     env: dict[str, torch.Tensor] = {}
     for name in (*graph.inputs, *graph.params, *graph.buffers, *graph.constants):
         info = graph.tensors.get(name)
@@ -60,21 +61,64 @@ def _grad_tensors(graph: Graph) -> frozenset[str]:
         t = torch.empty(info.shape, dtype=dtype, device=_META)
         env[name] = t.requires_grad_(name in graph.params and t.is_floating_point())
     needs: set[str] = {n for n, t in env.items() if t.requires_grad}
+    ruled: set[str] = set()  # outputs of operators that could not run on meta
+    # An operator called again with arguments alike (the layers of a deep model) gives the same
+    # answer: the outputs needing a gradient are remembered by the call's signature, and only
+    # a call unlike every earlier one runs on meta (with its inputs made from their shapes where
+    # a remembered call left none)
+    seen: dict[tuple, tuple[bool, ...] | None] = {}
     with torch.enable_grad():
         for op in graph.ops:
-            outs = _run_meta(op, env)
-            if outs is None:  # the rule autograd follows for almost every operator
+            key = _signature(graph, op, needs, ruled) if remember else None
+            found = seen.get(key, _UNSEEN) if key is not None else _UNSEEN
+            if found is _UNSEEN:
+                outs = _run_meta(op, env, graph, needs, ruled)
+                found = None if outs is None else tuple(
+                    isinstance(v, torch.Tensor) and v.requires_grad for v in outs)
+                if outs is not None:
+                    env.update((n, v) for n, v in zip(op.outputs, outs)
+                               if isinstance(v, torch.Tensor))
+                if key is not None:
+                    seen[key] = found
+            if found is None:  # the rule autograd follows for almost every operator
                 grad_in = any(x in needs for x in op.inputs)
                 needs.update(x for x in op.outputs if grad_in and _floating(graph, x))
+                ruled.update(op.outputs)
                 for x in op.outputs:
                     env.pop(x, None)
                 continue
-            for name, value in zip(op.outputs, outs):
-                if isinstance(value, torch.Tensor):
-                    env[name] = value
-                    if value.requires_grad:
-                        needs.add(name)
+            needs.update(x for x, grad in zip(op.outputs, found) if grad)
     return frozenset(needs)
+
+
+_UNSEEN = object()
+
+
+def _signature(graph: Graph, op: Op, needs: set[str], ruled: set[str]) -> tuple | None:
+    """What decides ``op``'s answer: its overload and arguments, each tensor as its shape,
+    dtype and whether it needs a gradient; None where an argument has no hashable form."""
+    tensors = graph.tensors
+
+    def sig(ref):
+        info = tensors.get(ref.name)
+        if info is None or ref.name in ruled:
+            return ("?", ref.name)
+        return ("T", tuple(info.shape), info.dtype, ref.name in needs)
+
+    try:
+        key = (op.target, op.returns, len(op.outputs),
+               _hashable(map_tensor_refs(op.args, sig)),
+               _hashable(tuple((k, map_tensor_refs(v, sig)) for k, v in op.kwargs)))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_hashable(v) for v in value))
+    return value
 
 
 def loss_grad_tensors(graph: Graph) -> frozenset[str]:
@@ -88,10 +132,16 @@ def loss_grad_tensors(graph: Graph) -> frozenset[str]:
     return frozenset(reached)
 
 
-def _run_meta(op: Op, env: dict[str, torch.Tensor]) -> tuple[Any, ...] | None:
-    """``op``'s outputs computed on ``meta``, or None when it cannot run there."""
-    if any(x not in env for x in op.inputs):
-        return None
+def _run_meta(op: Op, env: dict[str, torch.Tensor], graph: Graph, needs: set[str],
+              ruled: set[str]) -> tuple[Any, ...] | None:
+    """``op``'s outputs computed on ``meta``, or None when it cannot run there. An input that a
+    remembered call left without a value is made from its shape (needing a gradient as found)."""
+    for x in op.inputs:
+        if x not in env:
+            made = None if x in ruled else _made(graph, x, x in needs)
+            if made is None:
+                return None
+            env[x] = made
     lookup = lambda ref: env[ref.name]  # noqa: E731
     args = map_tensor_refs(op.args, lookup)
     kwargs = {k: _on_meta(k, map_tensor_refs(v, lookup)) for k, v in op.kwargs}
@@ -101,6 +151,16 @@ def _run_meta(op: Op, env: dict[str, torch.Tensor]) -> tuple[Any, ...] | None:
         return None
     outs = tuple(out) if op.returns == "list" else (out,)
     return outs if len(outs) == len(op.outputs) else None
+
+
+def _made(graph: Graph, name: str, grad: bool) -> torch.Tensor | None:
+    info = graph.tensors.get(name)
+    dtype = None if info is None else getattr(torch, info.dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        return None
+    t = torch.empty(info.shape, dtype=dtype, device=_META)
+    # computed, not a leaf: as the value it stands for (in-place operators accept it)
+    return t.requires_grad_().clone() if grad and t.is_floating_point() else t
 
 
 def _on_meta(key: str, value: Any) -> Any:
