@@ -18,8 +18,8 @@ from ssdsl.transform.normalize import normalize_losses
 ROOT = Path(__file__).resolve().parent.parent
 
 # Three linears of one shape: the first frozen, the second fed a detached value (and again a
-# value that needs a gradient), the third; a mask made from the batch alone; the same shapes each time, so
-# only whether an input needs a gradient tells the calls apart
+# value that needs a gradient), the third; a mask made from the batch alone. The shapes are the
+# same each time, so only whether an input needs a gradient tells the calls apart
 FROZEN = textwrap.dedent('''
     import torch
     import torch.nn as nn
