@@ -49,7 +49,8 @@ FROZEN = textwrap.dedent('''
 
     def get_batch(step, batch_size):
         g = torch.Generator().manual_seed(step)
-        return (torch.randn(batch_size, 8, generator=g),), torch.randint(0, 3, (batch_size,), generator=g)
+        x = torch.randn(batch_size, 8, generator=g)
+        return (x,), torch.randint(0, 3, (batch_size,), generator=g)
 ''')
 
 
