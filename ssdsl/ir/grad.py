@@ -54,12 +54,9 @@ def _grad_tensors(graph: Graph, *, remember: bool = True) -> frozenset[str]:
     """The answer of ``grad_tensors``; ``remember=False`` runs every operator on meta."""
     env: dict[str, torch.Tensor] = {}
     for name in (*graph.inputs, *graph.params, *graph.buffers, *graph.constants):
-        info = graph.tensors.get(name)
-        if info is None:
-            continue
-        dtype = getattr(torch, info.dtype.removeprefix("torch."))
-        t = torch.empty(info.shape, dtype=dtype, device=_META)
-        env[name] = t.requires_grad_(name in graph.params and t.is_floating_point())
+        t = _empty(graph, name)
+        if t is not None:
+            env[name] = t.requires_grad_(name in graph.params and t.is_floating_point())
     needs: set[str] = {n for n, t in env.items() if t.requires_grad}
     ruled: set[str] = set()  # outputs of operators that could not run on meta
     # An operator called again with arguments alike (the layers of a deep model) gives the same
@@ -153,14 +150,18 @@ def _run_meta(op: Op, env: dict[str, torch.Tensor], graph: Graph, needs: set[str
     return outs if len(outs) == len(op.outputs) else None
 
 
-def _made(graph: Graph, name: str, grad: bool) -> torch.Tensor | None:
+def _empty(graph: Graph, name: str) -> torch.Tensor | None:
+    """A meta tensor of ``name``'s shape and dtype (None: the graph does not say them)."""
     info = graph.tensors.get(name)
     dtype = None if info is None else getattr(torch, info.dtype.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        return None
-    t = torch.empty(info.shape, dtype=dtype, device=_META)
+    return torch.empty(info.shape, dtype=dtype, device=_META) \
+        if isinstance(dtype, torch.dtype) else None
+
+
+def _made(graph: Graph, name: str, grad: bool) -> torch.Tensor | None:
+    t = _empty(graph, name)
     # computed, not a leaf: as the value it stands for (in-place operators accept it)
-    return t.requires_grad_().clone() if grad and t.is_floating_point() else t
+    return t.requires_grad_().clone() if t is not None and grad and t.is_floating_point() else t
 
 
 def _on_meta(key: str, value: Any) -> Any:
