@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import LEVERS, LR, MODEL  # noqa: E402
 from ssdsl.runtime.launch import launch  # noqa: E402
 
-DP_LEVERS = ("overlap", "prebuilt", "prologue")
+DP_LEVERS = ("overlap", "prebuilt", "prologue", "flat")
 WARMUP = 2
 
 

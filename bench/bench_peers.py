@@ -242,6 +242,8 @@ LEVERS = {
     "run_loop": ("ssdsl.runtime.executor", "RUN_LOOP", False),
     "straight": ("ssdsl.runtime.straight", "ENABLED", False),
     "prologue": ("ssdsl.runtime.prologue", "ENABLED", False),
+    # each bucket's gradients through a flat buffer made once (off: made every step)
+    "flat": ("ssdsl.runtime.flat", "ENABLED", False),
     "overlap": ("ssdsl.lower.overlap", "PART_BYTES", 0),
     # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB
     "rest_parts": ("ssdsl.lower.overlap", "REST_PART_BYTES", None),

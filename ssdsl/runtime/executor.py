@@ -37,6 +37,7 @@ from ssdsl.runtime.comm import (coll_on_rank, isend, local_coll, start_all_gathe
                                 start_reduce_scatter, wait_sends)
 from ssdsl.runtime.early import EarlyRecv, early_receives
 from ssdsl.runtime.early_loss import LossPlan, loss_plan
+from ssdsl.runtime.flat import FlatGrads, flat_grads
 from ssdsl.runtime.groups import ProcessGroups, groups_of
 from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.overlap import OverlapPlan, Parts, overlap_plan
@@ -678,6 +679,15 @@ class Runner(Handler):
         """The sum of the loss parts this rank counts."""
         return float(sum(float(x.detach()) for x, counted in self.losses if counted))
 
+    def _my_loss_piece(self) -> torch.Tensor | None:
+        """What ``_my_loss_tensor`` holds, to be copied from: the counted loss part itself
+        where there is one (never written into), their float64 sum where there are several,
+        None where this rank counts none."""
+        parts = [x for x, counted in self.losses if counted]
+        if len(parts) < 2:
+            return parts[0] if parts else None
+        return torch.stack([x.detach() for x in parts]).to(torch.float64).sum()
+
     def _my_loss_tensor(self, dtype: torch.dtype) -> torch.Tensor:
         """``_my_loss()`` as a one-element tensor of ``dtype``, made without reading the value
         out (no ``item``, no tensor made from a Python number): the parts are added in float64,
@@ -732,15 +742,18 @@ class DistRunner(Runner):
         self.posted: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._units = 0
         # buckets reduced during the last backward (``ssdsl.runtime.overlap``): the plan of a
-        # whole step, the parts started (bucket -> [(positions, work, flat)]), the backwards seen
+        # whole step, the parts started, the backwards seen
         self.overlap: OverlapPlan | None = None
-        # (bucket -> [(part, work, flat)]); ``parts``: the program's parts on this rank's leaves
-        self.started: dict[int, list[tuple[int, Any, torch.Tensor]]] = {}
+        # (bucket -> [(part, work, its FlatGrads or None, the tensor reduced)]); ``parts``: the
+        # program's parts on this rank's leaves
+        self.started: dict[int, list[tuple[int, Any, FlatGrads | None, torch.Tensor]]] = {}
         self.parts: Parts | None = None
         self._backwards = 0
         self.counts = {"posted_early": 0, "parts_overlapped": 0, "loss_early": 0,
-                       "sends_threaded": 0}  # over the run, for tests
+                       "sends_threaded": 0, "flat_reduced": 0}  # over the run, for tests
         self._bucket_groups: dict[int, tuple[int, ...]] = {}
+        # (kind, bucket or part) -> (its leaves, their flat buffer or None): ``_flat_of``
+        self._flats: dict[tuple, tuple[list, FlatGrads | None]] = {}
         # the loss's all-reduce started while the step runs (``ssdsl.runtime.early_loss``): where
         # in a whole step, the units ended so far, the all-reduce in flight and its buffer
         self.loss_plan: LossPlan | None = None
@@ -788,28 +801,60 @@ class DistRunner(Runner):
 
     def _start_part(self, k: int) -> None:
         bucket, _ = self.parts.order[k]
-        flat = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                for leaf in self.parts.leaves[k]]
-        if k == self.parts.carrier:
-            flat.append(self._my_loss_tensor(flat[0].dtype))
-        buf = _flatten(flat)
+        leaves = self.parts.leaves[k]
+        carrier = k == self.parts.carrier
+        flat = self._flat_of(("part", k), leaves, carrier)
+        if flat is not None:
+            buf = flat.fill(leaves, self._my_loss_piece() if carrier else None)
+            self.counts["flat_reduced"] += 1
+        else:
+            grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                     for leaf in leaves]
+            if carrier:
+                grads.append(self._my_loss_tensor(grads[0].dtype))
+            buf = _flatten(grads)
         group = self._bucket_groups[bucket]
         work = dist.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
                                async_op=True)
-        self.started.setdefault(bucket, []).append((k, work, buf))
+        self.started.setdefault(bucket, []).append((k, work, flat, buf))
         self.counts["parts_overlapped"] += 1
+
+    def _flat_of(self, key: tuple, leaves: list[torch.Tensor], loss: bool) -> FlatGrads | None:
+        """The flat buffer of a bucket or overlapped part (``ssdsl.runtime.flat``), made once
+        for its list of leaves (which lives as long as the rank's state)."""
+        got = self._flats.get(key)
+        if got is None or got[0] is not leaves:
+            got = self._flats[key] = (leaves, flat_grads(leaves, loss))
+        return got[1]
 
     def on_reduce(self, ins) -> Iterator[Wait]:
         parts = self.started.pop(ins.bucket, None)
         if parts is None:
-            return (yield from super().on_reduce(ins))
-        for k, work, buf in parts:
+            if ins.zero or len(ins.group) < 2:
+                return (yield from super().on_reduce(ins))
+            leaves = self._bucket_leaves(ins)
+            flat = self._flat_of(("bucket", ins.bucket), leaves, ins.loss)
+            if flat is None:
+                return (yield from super().on_reduce(ins))
+            # the same all-reduce as ``Runner.on_reduce``'s, written into the buffer whose
+            # views become the gradients
+            buf = flat.fill(leaves, self._my_loss_piece() if ins.loss else None)
+            dist.all_reduce(buf, group=self.groups.get(ins.group) if self.groups else None)
+            flat.hand_out(leaves)
+            if ins.loss:
+                self.loss_total = flat.loss()
+            self.counts["flat_reduced"] += 1
+            return
+        for k, work, flat, buf in parts:
             work.wait()
             leaves = self.parts.leaves[k]
-            # the reduced gradients are views of the part's buffer, which this rank alone
-            # holds until the next step's ``zero_grad`` drops them: no copy back
-            for leaf, grad in zip(leaves, _unflatten(buf, leaves)):
-                leaf.grad = grad
+            if flat is not None:
+                flat.hand_out(leaves)
+            else:
+                # the reduced gradients are views of the part's buffer, which this rank alone
+                # holds until the next step's ``zero_grad`` drops them: no copy back
+                for leaf, grad in zip(leaves, _unflatten(buf, leaves)):
+                    leaf.grad = grad
             if k == self.parts.carrier:  # the loss rode at the end of this part
                 self.loss_total = float(buf[-1].item())
 
