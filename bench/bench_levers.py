@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_peers import LEVERS, LR, MODEL  # noqa: E402
+from bench_peers import _KEPT, LEVERS, LR, MODEL  # noqa: E402
 from ssdsl.runtime.launch import launch  # noqa: E402
 
 DP_LEVERS = ("overlap", "prebuilt", "prologue", "flat")
@@ -86,6 +86,10 @@ def worker(model_path: str, plan: str, steps: int, levers: tuple[str, ...] = DP_
         variants[f"ssdsl-no-{lever}"] = _ssdsl(model_path, plan, (lever,), first)
     ddp = DistributedDataParallel(mf.build(seed=0))
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    # kept to the end of the process, as bench_peers keeps its peers (``bench_peers._KEPT``):
+    # freed as the worker returned, after the group's teardown, DDP's reducer hung rank 0 for
+    # good in 80-step runs here (the launcher named it)
+    _KEPT.append((ddp, opt, variants))
     share = mf.batch_size // ctx.world_size
     rows = slice(ctx.rank * share, (ctx.rank + 1) * share)
 
