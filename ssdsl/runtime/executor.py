@@ -39,7 +39,9 @@ from ssdsl.runtime.early import EarlyRecv, early_receives
 from ssdsl.runtime.early_loss import LossPlan, loss_plan
 from ssdsl.runtime.flat import FlatGrads, flat_grads
 from ssdsl.runtime.groups import ProcessGroups, groups_of
+from ssdsl.runtime import liveness
 from ssdsl.runtime.init import init_shards
+from ssdsl.runtime.liveness import dead_before_backwards
 from ssdsl.runtime.overlap import OverlapPlan, Parts, overlap_plan
 from ssdsl.runtime.prebuilt import prebuild
 from ssdsl.runtime.prologue import step_values_code
@@ -210,6 +212,10 @@ class Runner(Handler):
         self._generated: dict[int, tuple[Program, Any]] = {}  # id(program) -> (it, its code)
         self._takes: dict[int, tuple] = {}  # id(TakeInput) -> (it, batch shape, index)
         self._leaves_of: dict[int, tuple[Any, RankState, list]] = {}  # id(bucket) -> leaves
+        # the values dropped from ``env`` before each whole backward (``ssdsl.runtime.liveness``)
+        # of the program ``run`` walks, and of each program it walked
+        self._dead: dict[int, tuple[Any, tuple[str, ...]]] = {}
+        self._dead_of: dict[int, tuple[Program, dict]] = {}
         # the state and its leaves that ``on_step`` makes sure have a gradient
         self._stepped: tuple[RankState, list[torch.Tensor]] | None = None
 
@@ -253,6 +259,11 @@ class Runner(Handler):
         """Walk all of ``program`` on a runner that never waits (the distributed one): what
         ``walk(program, self)`` does, with each instruction's handler looked up once per
         program instead of once per instruction and step."""
+        got = self._dead_of.get(id(program))
+        if got is None or got[0] is not program:
+            got = self._dead_of[id(program)] = (
+                program, dead_before_backwards(program) if liveness.ENABLED else {})
+        self._dead = got[1]
         if type(self).visit is not Runner.visit or not RUN_LOOP:  # a subclass dispatches its way
             for _ in walk(program, self):
                 raise RuntimeError("a distributed runner never waits")
@@ -474,6 +485,12 @@ class Runner(Handler):
         return tensors, grads
 
     def on_backward(self, ins) -> None:
+        if self._dead:  # what no later instruction reads leaves ``env`` (``runtime.liveness``)
+            got = self._dead.get(id(ins))
+            if got is not None and got[0] is ins:
+                pop = self.env.pop
+                for v in got[1]:
+                    pop(v, None)
         part = ins.part
         if part == "sent":
             return self._backward_sent(ins)

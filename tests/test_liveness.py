@@ -1,0 +1,134 @@
+"""Forward values dropped from the executor's ``env`` before a backward
+(``ssdsl.runtime.liveness``).
+
+The oracles: a scan of the lowered program by hand (what is read at or after each backward), the
+plain model trained in this process (float64, SGD) for what the ranks compute, and the logits,
+which eager PyTorch no longer holds once the loss has read them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssdsl.lower.instr import Backward, Free, reads, writes
+from ssdsl.runtime.launch import launch
+from ssdsl.runtime.liveness import dead_before_backwards
+from ssdsl.trace.model_file import load_model_file
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples" / "gpt.py")
+LR, STEPS = 0.05, 3
+
+
+def _materialized(plan: str, world: int, sets: dict):
+    from ssdsl.runtime.job import JobSpec, plan_job
+
+    return plan_job(JobSpec(GPT, plan, sets=tuple(sets.items())), world)[1]
+
+
+def _program(plan: str, world: int, rank: int):
+    from ssdsl.lower import lower_rank
+
+    return lower_rank(_materialized(plan, world, {}), rank)
+
+
+def _read_from(instructions, i: int) -> set[str]:
+    return {v for ins in instructions[i:] for v in reads(ins)}
+
+
+@pytest.mark.parametrize("plan, world, rank", [("dp", 1, 0), ("1f1b", 2, 0), ("1f1b", 2, 1)])
+def test_a_dropped_value_is_never_read_again_and_nothing_read_again_is_dropped(plan, world, rank):
+    program = _program(plan, world, rank)
+    dead = dead_before_backwards(program)
+    ins = program.instructions
+    whole = [i for i, x in enumerate(ins) if isinstance(x, Backward) and x.part != "rest"]
+    assert whole and dead  # the rule acts on these programs (else this tests nothing)
+    dropped_before: set[str] = set()
+    for i in whole:
+        defined = set()
+        for x in ins[:i]:
+            defined.update(writes(x))
+            if isinstance(x, Free):
+                defined.difference_update(x.values)
+        defined -= dropped_before
+        later = _read_from(ins, i)
+        got = set(dead.get(id(ins[i]), (None, ()))[1])
+        assert got == defined - later, (plan, rank, i)
+        dropped_before |= got
+
+
+def drop_worker(plan: str, sets: dict, on: bool) -> tuple[list[float], dict, list[set]]:
+    import ssdsl
+    from ssdsl.runtime import executor, liveness
+
+    liveness.ENABLED = on
+    seen: list[set] = []
+    starts = executor.Runner._starts
+
+    def spy(self, seeds, roots, take=True):
+        seen.append(set(self.env))
+        return starts(self, seeds, roots, take)
+    executor.Runner._starts = spy
+    mf = load_model_file(GPT)
+    pm = ssdsl.parallelize(GPT, plan, sets=sets, optimizer="sgd", lr=LR, dtype="float64",
+                           verify=False)
+    losses = [pm.train_step(*mf.get_batch(s, mf.batch_size)) for s in range(STEPS)]
+    return losses, pm.full_state_dict(), seen
+
+
+def _reference() -> tuple[list[float], dict]:
+    mf = load_model_file(GPT)
+    model = mf.build(seed=0).to(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for s in range(STEPS):
+        inputs, target = mf.get_batch(s, mf.batch_size)
+        opt.zero_grad()
+        loss = mf.loss(model(*inputs), target)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _logits(plan: str, world: int, sets: dict) -> set[str]:
+    """The lm head's outputs in every rank's program: what the loss reads the logits from."""
+    from ssdsl.lower import lower_rank
+    from ssdsl.lower.instr import Call
+
+    m = _materialized(plan, world, sets)
+    names = set()
+    for r in range(world):
+        for ins in lower_rank(m, r).instructions:
+            if isinstance(ins, Call) and ins.call.target == "aten.reshape.default" \
+                    and ins.op == "reshape":  # the logits viewed as (tokens, vocabulary)
+                names.update(ins.ins)
+                names.update(ins.outs)
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan, nproc, sets", [
+    ("dp", 1, {}), ("dp", 2, {}), ("1f1b", 2, {"microbatches": "4"}),
+])
+def test_dropping_trains_like_the_plain_model_and_the_logits_are_gone_in_backward(plan, nproc,
+                                                                                 sets):
+    want = _reference()
+    logits = _logits(plan, nproc, sets)
+    assert logits
+    for on in (True, False):
+        held = set()
+        for losses, state, seen in launch(drop_worker, nproc=nproc, args=(plan, sets, on),
+                                          timeout_s=600):
+            assert losses == pytest.approx(want[0], rel=1e-10)
+            for name, w in want[1].items():
+                g = state[name].to(torch.float64)
+                assert (g - w).norm() <= 1e-10 * max(1.0, float(w.norm())), name
+            assert seen  # every rank runs a backward
+            held |= set().union(*seen) & logits
+        # on: no backward starts with the logits held; off: the last stage's do (so the spy
+        # sees them where they are)
+        assert not held if on else held, (on, sorted(held)[:8], sorted(logits)[:8])
