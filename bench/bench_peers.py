@@ -244,6 +244,8 @@ LEVERS = {
     "prologue": ("ssdsl.runtime.prologue", "ENABLED", False),
     # each bucket's gradients through a flat buffer made once (off: made every step)
     "flat": ("ssdsl.runtime.flat", "ENABLED", False),
+    # forward values no later instruction reads dropped before a backward (off: held to its end)
+    "liveness": ("ssdsl.runtime.liveness", "ENABLED", False),
     "overlap": ("ssdsl.lower.overlap", "PART_BYTES", 0),
     # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB
     "rest_parts": ("ssdsl.lower.overlap", "REST_PART_BYTES", None),
