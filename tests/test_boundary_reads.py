@@ -25,6 +25,7 @@ from ssdsl.runtime.launch import launch
 from ssdsl.runtime.verify import compare_with_model, simulate_plan
 from ssdsl.trace.export import trace
 from ssdsl.trace.model_file import load_model_file
+from tests.plain_reference import assert_trains_like, plain_sgd
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -124,21 +125,9 @@ def boundary_worker(plan: str, steps: int) -> tuple[list[float], dict]:
 def test_deduplicated_pipeline_trains_like_one_device_on_two_ranks(tmp_path):
     (tmp_path / "p.ssp").write_text(ONE_F_ONE_B)
     got = launch(boundary_worker, nproc=2, args=(str(tmp_path / "p.ssp"), 3), timeout_s=600)
-    mf = load_model_file(GPT)
-    model = mf.build(seed=0).to(torch.float64)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for s in range(3):
-        inputs, target = mf.get_batch(s, mf.batch_size)
-        opt.zero_grad()
-        loss = mf.loss(model(*inputs), target)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
+    want = plain_sgd(GPT, 3, 0.05)
     for rank_losses, state in got:
-        assert rank_losses == pytest.approx(losses, rel=1e-10)
-        for name, w in model.state_dict().items():
-            assert (state[name].to(torch.float64) - w).norm() <= 1e-10 * max(1.0, float(w.norm()))
+        assert_trains_like(rank_losses, state, want)
 
 
 TP_PP = """plan tp_pp(stages: int = 2, microbatches: int = 2, width: int = 2)

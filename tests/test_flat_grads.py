@@ -15,6 +15,7 @@ import torch
 from ssdsl.runtime import flat
 from ssdsl.runtime.flat import flat_grads
 from ssdsl.runtime.launch import launch
+from tests.plain_reference import assert_trains_like, plain_sgd
 from ssdsl.trace.model_file import load_model_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,30 +87,12 @@ def dp_worker(flat_on: bool) -> tuple[list[float], dict, dict]:
     return losses, pm.full_state_dict(), dict(pm._program.runner.counts)
 
 
-def _reference() -> tuple[list[float], dict]:
-    mf = load_model_file(GPT)
-    model = mf.build(seed=0).to(torch.float64)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for s in range(STEPS):
-        inputs, target = mf.get_batch(s, mf.batch_size)
-        opt.zero_grad()
-        loss = mf.loss(model(*inputs), target)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("flat_on", [True, False])
 def test_dp_through_the_flat_buffer_trains_like_the_plain_model(flat_on):
     per_rank = launch(dp_worker, nproc=2, args=(flat_on,), timeout_s=600)
-    want_losses, want_state = _reference()
+    want = plain_sgd(GPT, STEPS, LR)
     for losses, state, counts in per_rank:
-        assert losses == pytest.approx(want_losses, rel=1e-10)
-        for name, w in want_state.items():
-            g = state[name].to(torch.float64)
-            assert (g - w).norm() <= 1e-10 * max(1.0, float(w.norm())), name
+        assert_trains_like(losses, state, want)
         # the buffer did carry every step's bucket (or, off, none)
         assert counts["flat_reduced"] == (STEPS if flat_on else 0)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from ssdsl.lower.instr import Backward, Free, reads, writes
 from ssdsl.runtime.launch import launch
+from tests.plain_reference import assert_trains_like, plain_sgd
 from ssdsl.runtime.liveness import dead_before_backwards
 from ssdsl.trace.model_file import load_model_file
 
@@ -79,21 +79,6 @@ def drop_worker(plan: str, sets: dict, on: bool) -> tuple[list[float], dict, lis
     return losses, pm.full_state_dict(), seen
 
 
-def _reference() -> tuple[list[float], dict]:
-    mf = load_model_file(GPT)
-    model = mf.build(seed=0).to(torch.float64)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for s in range(STEPS):
-        inputs, target = mf.get_batch(s, mf.batch_size)
-        opt.zero_grad()
-        loss = mf.loss(model(*inputs), target)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
-
-
 def _logits(plan: str, world: int, sets: dict) -> set[str]:
     """The lm head's outputs in every rank's program: what the loss reads the logits from."""
     from ssdsl.lower import lower_rank
@@ -116,17 +101,14 @@ def _logits(plan: str, world: int, sets: dict) -> set[str]:
 ])
 def test_dropping_trains_like_the_plain_model_and_the_logits_are_gone_in_backward(plan, nproc,
                                                                                  sets):
-    want = _reference()
+    want = plain_sgd(GPT, STEPS, LR)
     logits = _logits(plan, nproc, sets)
     assert logits
     for on in (True, False):
         held = set()
         for losses, state, seen in launch(drop_worker, nproc=nproc, args=(plan, sets, on),
                                           timeout_s=600):
-            assert losses == pytest.approx(want[0], rel=1e-10)
-            for name, w in want[1].items():
-                g = state[name].to(torch.float64)
-                assert (g - w).norm() <= 1e-10 * max(1.0, float(w.norm())), name
+            assert_trains_like(losses, state, want)
             assert seen  # every rank runs a backward
             held |= set().union(*seen) & logits
         # on: no backward starts with the logits held; off: the last stage's do (so the spy

@@ -21,6 +21,7 @@ from ssdsl.runtime.early import early_receives
 from ssdsl.runtime.launch import launch
 from ssdsl.runtime.overlap import overlap_plan
 from ssdsl.trace.model_file import load_model_file
+from tests.plain_reference import plain_sgd
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -45,18 +46,7 @@ def lever_worker(plan: str, sets: dict, levers: dict) -> tuple[list[float], dict
 
 
 def reference() -> tuple[list[float], dict]:
-    mf = load_model_file(GPT)
-    model = mf.build(seed=0).to(torch.float64)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for s in range(STEPS):
-        inputs, target = mf.get_batch(s, mf.batch_size)
-        opt.zero_grad()
-        loss = mf.loss(model(*inputs), target)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+    return plain_sgd(GPT, STEPS, LR)
 
 
 def assert_matches(got: tuple, want: tuple[list[float], dict]) -> None:
