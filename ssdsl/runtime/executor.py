@@ -212,7 +212,7 @@ class Runner(Handler):
         self._generated: dict[int, tuple[Program, Any]] = {}  # id(program) -> (it, its code)
         self._takes: dict[int, tuple] = {}  # id(TakeInput) -> (it, batch shape, index)
         self._leaves_of: dict[int, tuple[Any, RankState, list]] = {}  # id(bucket) -> leaves
-        # the values dropped from ``env`` before each whole backward (``ssdsl.runtime.liveness``)
+        # the values dropped from ``env`` before each backward that starts a walk (``liveness``)
         # of the program ``run`` walks, and of each program it walked
         self._dead: dict[int, tuple[Any, tuple[str, ...]]] = {}
         self._dead_of: dict[int, tuple[Program, dict]] = {}
