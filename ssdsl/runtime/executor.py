@@ -710,12 +710,10 @@ class Runner(Handler):
         out (no ``item``, no tensor made from a Python number): the parts are added in float64,
         as ``_my_loss`` adds them. A new tensor, never a view of a loss part: collectives write
         into it."""
-        parts = [x.detach() for x, counted in self.losses if counted]
-        if not parts:
+        piece = self._my_loss_piece()
+        if piece is None:
             return torch.zeros(1, dtype=dtype)
-        if len(parts) == 1:
-            return parts[0].reshape(1).to(dtype, copy=True)
-        return torch.stack(parts).to(torch.float64).sum().reshape(1).to(dtype)
+        return piece.detach().reshape(1).to(dtype, copy=True)
 
     def on_loss_sum(self, ins) -> Iterator[Wait] | None:
         if len(ins.group) == 1:  # nothing to add: this rank's share is the loss
