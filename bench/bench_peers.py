@@ -246,6 +246,8 @@ LEVERS = {
     "flat": ("ssdsl.runtime.flat", "ENABLED", False),
     # forward values no later instruction reads dropped before a backward (off: held to its end)
     "liveness": ("ssdsl.runtime.liveness", "ENABLED", False),
+    # a split backward's weight half in closed form per mixing call (off: autograd per call)
+    "wgrad": ("ssdsl.runtime.wgrad", "ENABLED", False),
     "overlap": ("ssdsl.lower.overlap", "PART_BYTES", 0),
     # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB
     "rest_parts": ("ssdsl.lower.overlap", "REST_PART_BYTES", None),

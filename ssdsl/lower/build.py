@@ -355,6 +355,7 @@ class _Segment:
     inputs: list[str] = attrs.Factory(list)  # received leaves it reads (split backward)
     buckets: set[int] = attrs.Factory(set)  # ZeRO-3 buckets whose weights its calls read
     mixes: list[tuple[tuple[str, ...], tuple[tuple[str, str], ...]]] = attrs.Factory(list)
+    mix_inputs: list[str] = attrs.Factory(list)  # the mixing calls' inputs other than cuts
     recomputed: bool = False  # some of its calls run again in backward (checkpointed)
 
 
@@ -943,6 +944,8 @@ class _RankLowering:
                 cuts.append((cut, v))
         if cuts:
             self.seg.mixes.append((outs, tuple(cuts)))
+            made = {c for c, _ in cuts}
+            self.seg.mix_inputs.extend(v for v in new if v is not None and v not in made)
         return tuple(new)
 
     # -- recompute regions ----------------------------------------------------------------------------
@@ -1075,6 +1078,7 @@ class _RankLowering:
                 roots = tuple(v for v in item.roots if self._weight_side(v))
                 if seeds or roots or item.mixes:
                     self.out.append(BackwardWeight(seeds, roots, tuple(item.mixes),
+                                                   tuple(dict.fromkeys(item.mix_inputs)),
                                                    span=item.span or span))
         self.out.append(Free(tuple(self.made.get(forward, ())), span=span))
 

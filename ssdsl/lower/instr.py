@@ -256,12 +256,15 @@ class BackwardWeight:
     ``(outs, cuts)`` of ``mixes`` (a call that reads weights through the weight cuts ``cuts``,
     ``(cut, weight value)`` pairs), the gradients of the cuts from the kept gradients of
     ``outs``; then autograd over the weight side of the segment, from those, from ``seeds`` and
-    from ``roots`` (values that depend on weights only), into the parameters' gradients."""
+    from ``roots`` (values that depend on weights only), into the parameters' gradients.
+    ``inputs``: the mixing calls' other inputs (their activations), which a closed-form weight
+    gradient reads (``ssdsl.runtime.wgrad``)."""
 
     kind: ClassVar[str] = "backward_weight"
     seeds: tuple[str, ...]
     roots: tuple[str, ...]
     mixes: tuple[tuple[tuple[str, ...], tuple[tuple[str, str], ...]], ...]
+    inputs: tuple[str, ...] = ()
     span: Span | None = _span()
 
 
@@ -421,7 +424,8 @@ def reads(ins: Any) -> tuple[str, ...]:
                 + ins.keep)
     if isinstance(ins, BackwardWeight):
         return ins.seeds + ins.roots + tuple(v for outs, cuts in ins.mixes
-                                             for v in (*outs, *(x for c in cuts for x in c)))
+                                             for v in (*outs, *(x for c in cuts for x in c))
+                                             ) + ins.inputs
     if isinstance(ins, RecomputeBegin):
         return ins.ins
     return ()

@@ -47,6 +47,7 @@ from ssdsl.runtime.prebuilt import prebuild
 from ssdsl.runtime.prologue import step_values_code
 from ssdsl.runtime import sender as sending
 from ssdsl.runtime import straight as straight_code
+from ssdsl.runtime import wgrad
 from ssdsl.runtime.reference import to_dtype
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
 from ssdsl.runtime.zero import ZeroShard, model_state_bytes, optimizer_params, zero_shards
@@ -216,6 +217,11 @@ class Runner(Handler):
         # of the program ``run`` walks, and of each program it walked
         self._dead: dict[int, tuple[Any, tuple[str, ...]]] = {}
         self._dead_of: dict[int, tuple[Program, dict]] = {}
+        # each weight half's closed-form rules per mixing call (``runtime.wgrad``) of the program
+        # being walked (``prepare``), and of each program prepared
+        self._wrules: dict[int, tuple[Any, tuple]] = {}
+        self._wrules_of: dict[int, tuple[Program, dict]] = {}
+        self.closed_form = 0  # mixing calls whose weight gradient a rule gave (for tests)
         # the state and its leaves that ``on_step`` makes sure have a gradient
         self._stepped: tuple[RankState, list[torch.Tensor]] | None = None
 
@@ -255,6 +261,17 @@ class Runner(Handler):
             waits = handler(ins)
         return None if waits is None else _without_grad(waits)
 
+    def prepare(self, program: Program) -> None:
+        """What walking ``program`` looks up per instruction, worked out once per program: the
+        weight halves' closed-form rules (``ssdsl.runtime.wgrad``). Every backend calls it
+        before it walks (``run``, the simulator, the preflight, a generated module's step); a
+        walk without it takes autograd for every weight half, which computes the same."""
+        got = self._wrules_of.get(id(program))
+        if got is None or got[0] is not program:
+            got = self._wrules_of[id(program)] = (
+                program, wgrad.rules_of(program) if wgrad.ENABLED else {})
+        self._wrules = got[1]
+
     def run(self, program: Program) -> None:
         """Walk all of ``program`` on a runner that never waits (the distributed one): what
         ``walk(program, self)`` does, with each instruction's handler looked up once per
@@ -264,6 +281,7 @@ class Runner(Handler):
             got = self._dead_of[id(program)] = (
                 program, dead_before_backwards(program) if liveness.ENABLED else {})
         self._dead = got[1]
+        self.prepare(program)
         if type(self).visit is not Runner.visit or not RUN_LOOP:  # a subclass dispatches its way
             for _ in walk(program, self):
                 raise RuntimeError("a distributed runner never waits")
@@ -557,12 +575,26 @@ class Runner(Handler):
         self._collect(ins.collect)
 
     def on_backward_weight(self, ins) -> None:
-        """Each mixing call's weight cuts from its outputs' kept gradients (autograd through
-        that call alone: the cuts are read by it only), then the weight side into the
-        parameters."""
+        """Each mixing call's weight cuts from its outputs' kept gradients (in closed form where
+        ``runtime.wgrad`` has a rule for the call, else autograd through that call alone: the
+        cuts are read by it only), then the weight side into the parameters."""
         tensors, grads = self._starts(ins.seeds, ins.roots)
-        env = self.env
-        for outs, cuts in ins.mixes:
+        env, kept = self.env, self.kept
+        ruled = self._wrules.get(id(ins))
+        rules = ruled[1] if ruled is not None and ruled[0] is ins else ()
+        for k, (outs, cuts) in enumerate(ins.mixes):
+            rule = rules[k] if rules else None
+            if rule is not None:
+                made = rule(env, kept)
+                if made is not None:  # the cuts' gradients in closed form (``runtime.wgrad``)
+                    for o in outs:
+                        kept.pop(o, None)
+                    src = dict(cuts)
+                    for cut, g in made:
+                        tensors.append(env[src[cut]])
+                        grads.append(g)
+                    self.closed_form += 1
+                    continue
             ys = [(env[o], self.kept.pop(o)) for o in outs if o in self.kept]
             cs = [(env[c], src) for c, src in cuts if env[c].requires_grad]
             if not ys or not cs:
@@ -1092,6 +1124,7 @@ class RankProgram:
         if values is None or values[0] is not self.graph:
             values = self._step_values = (self.graph, step_values_code(self.graph))
         self.runner.start(values[1](to_dtype(tuple(batch), self.dtype)))
+        self.runner.prepare(self.program)
 
     def run_unit(self, unit: str) -> None:
         """Run the instructions of one unit (``'0F1'``) of this rank's program."""

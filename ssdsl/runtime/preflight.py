@@ -327,6 +327,7 @@ def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: i
         runners[p.rank] = Recorder(p.rank, init_state(m, p.rank, model), dtype=m.dtype,
                                    exchange=exchange)
         runners[p.rank].start(batch)
+        runners[p.rank].prepare(p)
     run_all({p.rank: walk(p, runners[p.rank]) for p in programs}, exchange)
     tol = 1e-9 if m.dtype == torch.float64 else 1e-4
     sums = _value_part_sums(t, g, records)

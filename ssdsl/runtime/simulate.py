@@ -74,6 +74,7 @@ def simulate_programs(m: Materialized, programs: Sequence[Program], model: torch
         r = SimRunner(p.rank, state, dtype=run, exchange=exchange,
                       zero=zero_shards(p, state.leaves), retype=retype)
         r.start(batch)
+        r.prepare(p)
         runners[p.rank] = r
     run_all({p.rank: walk(p, runners[p.rank]) for p in programs}, exchange)
     loss = next(r.loss_total for r in runners.values() if r.loss_total is not None)
