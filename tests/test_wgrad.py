@@ -108,6 +108,18 @@ def test_addmm_bias_and_matrix():
            {"b": _r(5), "x": _r(6, 4), "w": _r(4, 5)}, ("b", "w"))
 
 
+@pytest.mark.parametrize("dims, stride, padding, groups", [(2, [1, 1], [1, 1], 1),
+                                                           (2, [2, 1], [0, 2], 4),
+                                                           (1, [1], [1], 2), (3, [1], [0], 1)],
+                         ids=["2d", "2d-strided-depthwise", "1d-grouped", "3d"])
+def test_convolution_weight_and_bias(dims, stride, padding, groups):
+    c_in, c_out = 4, 8
+    x = _r(2, c_in, *([5] * dims))
+    w = _r(c_out, c_in // groups, *([3] * dims))
+    _check(f"aten.conv{dims}d.default", (Slot(0), Slot(1), Slot(2), stride, padding, [1], groups),
+           {}, {"x": x, "w": w, "b": _r(c_out)}, ("w", "b"))
+
+
 def test_add_and_mul_broadcast_to_the_weight():
     _check("aten.add.Tensor", (Slot(0), Slot(1)), {}, {"x": _r(3, 5, 4), "b": _r(4)}, ("b",))
     _check("aten.mul.Tensor", (Slot(0), Slot(1)), {}, {"g": _r(1, 4), "x": _r(3, 5, 4)}, ("g",))

@@ -16,6 +16,8 @@ the two products below, and a stage of two blocks makes 12 such calls per micro-
   ``native_layer_norm_backward`` asked for the weight and bias only, from the mean and reciprocal
   deviation (``native_layer_norm``'s outputs where the call kept them, else computed again from
   ``x`` by the same kernel);
+- ``conv1d``/``conv2d``/``conv3d``: ATen's ``convolution_backward`` asked for the weight and
+  bias only, as autograd's backward of the convolution calls it;
 - ``mm``, ``matmul`` (a matrix weight on the right of an activation of 2+ dimensions) and
   ``addmm`` (``beta = alpha = 1``): the matrix products of their backward;
 - ``add``/``mul`` of an activation and a weight (a bias, a norm's scale): the output gradient
@@ -266,6 +268,36 @@ def _elementwise(args: dict, cuts: set[str], outs: tuple[str, ...], scale: float
     return rule
 
 
+def _conv(args: dict, cuts: set[str], outs: tuple[str, ...], scale: float, dims: int
+          ) -> Rule | None:
+    """``conv{1,2,3}d(x, w, b, stride, padding, dilation, groups)``: ATen's own
+    ``convolution_backward`` asked for the weight and bias only (the call autograd's backward of
+    the convolution makes)."""
+    x, w, b = _value(args, "input"), _value(args, "weight"), _value(args, "bias")
+    if x is None or x in cuts or w is None or not ({w, b} & cuts):
+        return None
+    consts = [_const(args, k) for k in ("stride", "padding", "dilation", "groups")]
+    if any(c is None or isinstance(c, str) for c in consts):
+        return None  # a padding given by name ("same") is another overload: autograd
+    stride, padding, dilation = (list(c) * (dims if len(c) == 1 else 1)
+                                 if isinstance(c, (list, tuple)) else [c] * dims
+                                 for c in consts[:3])
+    groups = consts[3]
+
+    def rule(env: dict, kept: dict) -> list[tuple[str, torch.Tensor]] | None:
+        g = _grad(kept, env, outs, scale)
+        xv, wv = env[x], env[w]
+        if g is None or xv.dim() != dims + 2 or not (g.dtype == xv.dtype == wv.dtype):
+            return None
+        want_w, want_b = _wanted(env, w, cuts), _wanted(env, b, cuts)
+        bias_sizes = [wv.shape[0]] if b is not None else None
+        _, gw, gb = _aten.convolution_backward(g, xv, wv, bias_sizes, stride, padding, dilation,
+                                               False, [0] * dims, groups,
+                                               [False, want_w, want_b])
+        return ([(w, gw)] if want_w else []) + ([(b, gb)] if want_b else [])
+    return rule
+
+
 def _add(args, cuts, outs, scale):
     return _elementwise(args, cuts, outs, scale, times=False)
 
@@ -281,6 +313,9 @@ _MAKERS: dict[str, Callable[..., Rule | None]] = {
     "aten.mm.default": _mm,
     "aten.matmul.default": _matmul,
     "aten.addmm.default": _addmm,
+    "aten.conv1d.default": lambda *a: _conv(*a, dims=1),
+    "aten.conv2d.default": lambda *a: _conv(*a, dims=2),
+    "aten.conv3d.default": lambda *a: _conv(*a, dims=3),
     "aten.add.Tensor": _add,
     "aten.mul.Tensor": _mul,
 }
