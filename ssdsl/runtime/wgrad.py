@@ -93,14 +93,11 @@ def _rule(call: Call | None, outs: tuple[str, ...], cuts: tuple[tuple[str, str],
           ) -> Rule | None:
     if call is None or tuple(call.outs) != tuple(outs):
         return None
-    args = _named(call)
+    make = _MAKERS.get(call.call.target)
+    args = _named(call) if make is not None else None
     if args is None:
         return None
-    cut_names = {c for c, _ in cuts}
-    make = _MAKERS.get(call.call.target)
-    if make is None:
-        return None
-    return make(args, cut_names, outs, call.call.scale)
+    return make(args, {c for c, _ in cuts}, outs, call.call.scale)
 
 
 def _value(args: dict, name: str) -> str | None:
