@@ -110,7 +110,7 @@ def _const(args: dict, name: str, default: Any = None) -> Any:
     return got[1] if got is not None and got[0] == "const" else default
 
 
-def _grad(kept: dict, env: dict, outs: tuple[str, ...], scale: float) -> torch.Tensor | None:
+def _grad(kept: dict, outs: tuple[str, ...], scale: float) -> torch.Tensor | None:
     """The gradient of the call's raw first output (the kept one, times the call's scale);
     None where another output has a kept gradient too (left to autograd)."""
     if any(o in kept for o in outs[1:]):
@@ -119,11 +119,6 @@ def _grad(kept: dict, env: dict, outs: tuple[str, ...], scale: float) -> torch.T
     if g is None:
         return None
     return g * scale if scale != 1.0 else g
-
-
-def _take(kept: dict, outs: tuple[str, ...]) -> None:
-    for o in outs:
-        kept.pop(o, None)
 
 
 def _wanted(env: dict, name: str | None, cuts: set[str]) -> bool:
@@ -140,7 +135,7 @@ def _linear(args: dict, cuts: set[str], outs: tuple[str, ...], scale: float) -> 
         return None
 
     def rule(env: dict, kept: dict) -> list[tuple[str, torch.Tensor]] | None:
-        g = _grad(kept, env, outs, scale)
+        g = _grad(kept, outs, scale)
         xv, wv = env[x], env[w]
         if g is None or wv.dim() != 2 or xv.dim() == 0 or not (g.dtype == xv.dtype == wv.dtype):
             return None
@@ -164,7 +159,7 @@ def _layer_norm(args: dict, cuts: set[str], outs: tuple[str, ...], scale: float,
     shape = list(shape)
 
     def rule(env: dict, kept: dict) -> list[tuple[str, torch.Tensor]] | None:
-        g = _grad(kept, env, outs, scale)
+        g = _grad(kept, outs, scale)
         if g is None:
             return None
         xv = env[x]
@@ -193,7 +188,7 @@ def _matrix(a: str | None, b: str | None, cuts: set[str], outs: tuple[str, ...],
         return None
 
     def rule(env: dict, kept: dict) -> list[tuple[str, torch.Tensor]] | None:
-        g = _grad(kept, env, outs, scale)
+        g = _grad(kept, outs, scale)
         av, bv = env[a], env[b]
         if g is None or not (g.dtype == av.dtype == bv.dtype) or bv.dim() != 2:
             return None
@@ -226,13 +221,12 @@ def _addmm(args, cuts, outs, scale):
     def rule(env: dict, kept: dict) -> list[tuple[str, torch.Tensor]] | None:
         got: list[tuple[str, torch.Tensor]] = []
         if product is not None:
-            g = kept.get(outs[0])  # ``product`` reads it without taking it
-            part = product(env, kept)
-            if part is None or g is None:
+            part = product(env, kept)  # reads the kept gradient without taking it
+            if part is None:
                 return None
             got += part
         if _wanted(env, bias, cuts):
-            g = _grad(kept, env, outs, scale)
+            g = _grad(kept, outs, scale)
             bv = env[bias]
             if g is None or g.dtype != bv.dtype:
                 return None
@@ -251,7 +245,7 @@ def _elementwise(args: dict, cuts: set[str], outs: tuple[str, ...], scale: float
     cut, other = (a, b) if a in cuts else (b, a)
 
     def rule(env: dict, kept: dict) -> list[tuple[str, torch.Tensor]] | None:
-        g = _grad(kept, env, outs, scale)
+        g = _grad(kept, outs, scale)
         cv, ov = env[cut], env[other]
         if g is None or not isinstance(ov, torch.Tensor) or not (g.dtype == cv.dtype == ov.dtype):
             return None
@@ -282,7 +276,7 @@ def _conv(args: dict, cuts: set[str], outs: tuple[str, ...], scale: float, dims:
     groups = consts[3]
 
     def rule(env: dict, kept: dict) -> list[tuple[str, torch.Tensor]] | None:
-        g = _grad(kept, env, outs, scale)
+        g = _grad(kept, outs, scale)
         xv, wv = env[x], env[w]
         if g is None or xv.dim() != dims + 2 or not (g.dtype == xv.dtype == wv.dtype):
             return None
