@@ -19,7 +19,7 @@ order of every collective and message, backward included, is the program's.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -184,6 +184,16 @@ def take_index(ins: Any) -> tuple[torch.Size, tuple[slice, ...] | None]:
                                         for o, i in zip(outer, inner))
 
 
+def _once(cache: dict[int, tuple[Program, Any]], program: Program, make: Callable[[], Any]
+          ) -> Any:
+    """``make()`` for ``program``, kept in ``cache`` by the program's identity (the program is
+    kept beside it, so a new program at a reused ``id`` is not taken for the old one)."""
+    got = cache.get(id(program))
+    if got is None or got[0] is not program:
+        got = cache[id(program)] = (program, make())
+    return got[1]
+
+
 class Runner(Handler):
     """The instruction handlers of one rank; communication goes through ``meet``, ``meet_all``
     and ``post``, which each backend defines."""
@@ -266,21 +276,15 @@ class Runner(Handler):
         weight halves' closed-form rules (``ssdsl.runtime.wgrad``). Every backend calls it
         before it walks (``run``, the simulator, the preflight, a generated module's step); a
         walk without it takes autograd for every weight half, which computes the same."""
-        got = self._wrules_of.get(id(program))
-        if got is None or got[0] is not program:
-            got = self._wrules_of[id(program)] = (
-                program, wgrad.rules_of(program) if wgrad.ENABLED else {})
-        self._wrules = got[1]
+        self._wrules = _once(self._wrules_of, program,
+                             lambda: wgrad.rules_of(program) if wgrad.ENABLED else {})
 
     def run(self, program: Program) -> None:
         """Walk all of ``program`` on a runner that never waits (the distributed one): what
         ``walk(program, self)`` does, with each instruction's handler looked up once per
         program instead of once per instruction and step."""
-        got = self._dead_of.get(id(program))
-        if got is None or got[0] is not program:
-            got = self._dead_of[id(program)] = (
-                program, dead_before_backwards(program) if liveness.ENABLED else {})
-        self._dead = got[1]
+        self._dead = _once(self._dead_of, program,
+                           lambda: dead_before_backwards(program) if liveness.ENABLED else {})
         self.prepare(program)
         if type(self).visit is not Runner.visit or not RUN_LOOP:  # a subclass dispatches its way
             for _ in walk(program, self):
@@ -302,21 +306,12 @@ class Runner(Handler):
     def _straight(self, program: Program) -> Any:
         """``program`` as generated straight-line code (``ssdsl.runtime.straight``), built once
         per program."""
-        got = self._generated.get(id(program))
-        if got is not None and got[0] is program:
-            return got[1]
-        run = straight_code.straight(self, program)
-        self._generated[id(program)] = (program, run)
-        return run
+        return _once(self._generated, program, lambda: straight_code.straight(self, program))
 
     def _sequence(self, program: Program) -> list[tuple[Any, Any]]:
         """``program``'s instructions, each beside its handler (built once per program)."""
-        got = self._sequences.get(id(program))
-        if got is not None and got[0] is program:
-            return got[1]
-        steps = [(ins, self._handler(ins)) for ins in program.instructions]
-        self._sequences[id(program)] = (program, steps)
-        return steps
+        return _once(self._sequences, program,
+                     lambda: [(ins, self._handler(ins)) for ins in program.instructions])
 
     def _handler(self, ins: Any) -> Any:
         """``ins``'s handler, built once (``ssdsl.runtime.prebuilt``; a subclass that overrides
