@@ -201,6 +201,8 @@ def _timed_loop(steps: int, mf, one_step) -> tuple[list[float], list[float]]:
         start = time.perf_counter()
         loss = one_step(inputs, target)
         times.append(time.perf_counter() - start)
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
         losses.append(float(loss) if loss is not None else float("nan"))
     return times, losses
 
