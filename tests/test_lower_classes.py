@@ -128,3 +128,38 @@ def test_a_stamped_rank_that_is_broken_is_still_caught():
     assert isinstance(msgs[j], Msg)
     with pytest.raises(ProgramError):
         check_programs(programs, m=m)
+
+
+@pytest.mark.parametrize("texts_max", [1 << 16, 1])
+def test_a_full_call_cache_keeps_stamped_modules_on_the_template(monkeypatch, texts_max):
+    """The cache of call objects fills and is cleared many times in a 1,024-rank compile (each
+    part holds calls of its own). The stamped modules stay byte for byte the direct ones; and
+    while the call texts are kept, a stamped rank's calls are written from its class's template
+    (no call written afresh): clearing the texts with the calls sent every call of every later
+    rank down the slow path (a 1,024-rank compile took 20 ms a rank instead of 17)."""
+    from ssdsl.codegen import emit
+
+    plan, m = _plan("dp_tp_1f1b")
+    prov = Provenance.of(GPT, plan)
+    monkeypatch.setattr(emit, "_CALL_PIECES_MAX", 4)
+    monkeypatch.setattr(emit, "_PIECES_MAX", texts_max)
+    afresh = [0]
+    on_call = emit._Emitter.on_call
+
+    def counted(self, ins):
+        afresh[0] += 1
+        return on_call(self, ins)
+
+    monkeypatch.setattr(emit._Emitter, "on_call", counted)
+    world = m.transformed.world
+    texts = {r: generate_rank(m, r, prov) for r in range(world)}  # the class firsts walk whole
+    afresh[0] = 0
+    reps = {rep.rank for rep in classes_of(m).reps.values()}
+    stamped = [r for r in range(world) if r not in reps]
+    assert stamped
+    for r in stamped:
+        assert generate_rank(m, r, prov) == texts[r]
+    if texts_max > 1:
+        assert afresh[0] == 0
+    for r in stamped:
+        assert texts[r] == generate_rank(m, r, prov, lower_rank(m, r, direct=True), reuse=False)

@@ -302,6 +302,7 @@ _SLOT_MARK = "\x00"  # never in a literal's text: repr escapes it
 
 # equal pieces are one tuple (``_Template.fill`` compares them by identity)
 _PIECES: dict[tuple[str | int, ...], tuple[str | int, ...]] = {}
+_CALL_PIECES_MAX = _PIECES_MAX = 1 << 16  # entries each cache holds before it is cleared
 
 
 def _call_pieces(lc: Any, listy: bool) -> tuple[str | int, ...]:
@@ -328,8 +329,13 @@ def _call_pieces(lc: Any, listy: bool) -> tuple[str | int, ...]:
     pieces: list[str | int] = [texts[0]]
     for i, text in zip(slots, texts[1:]):
         pieces += [i, text]
-    if len(_CALL_PIECES) >= 1 << 16:
+    # the call objects are many (a part's own on every rank) and their cache is cleared when
+    # full; the texts are few (one per distinct call of the graph), and clearing them would make
+    # every template's pieces (``_Template.heads``) differ by identity from a new call's, so
+    # that each later call of a 1,024-rank compile is written the slow way
+    if len(_CALL_PIECES) >= _CALL_PIECES_MAX:
         _CALL_PIECES.clear()
+    if len(_PIECES) >= _PIECES_MAX:
         _PIECES.clear()
     found = _PIECES.setdefault(tuple(pieces), tuple(pieces))
     _CALL_PIECES[(id(lc), listy)] = (lc, found)
