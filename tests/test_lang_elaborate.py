@@ -220,6 +220,25 @@ def test_step_limit_stops_runaway_loops():
         elaborate_text(text, max_steps=10_000)
 
 
+def test_a_loop_too_long_for_the_bound_is_refused_at_its_header_before_it_runs():
+    """Every loop step counts toward the bound, so a loop that cannot fit is refused at its
+    header before its body runs once (a loop of millions ran to the bound first: 2 s for the
+    default bound); the bound itself is exact: the steps and directives that fit are
+    elaborated."""
+    body = "\n    replicate all into 1\n"
+    # 5 loop steps and 5 directives: 10 steps in all
+    assert len(elaborate_text("plan p()\nfor i in 0..5:" + body, max_steps=10).directives) == 5
+    with pytest.raises(E.TooManyDirectives) as err:
+        elaborate_text("plan p()\nfor i in 0..6:" + body, max_steps=10)
+    # a body that fails at its first step is never reached
+    failing = '\n    require i > 0, "the body ran"\n'
+    with pytest.raises(E.TooManyDirectives) as at_once:
+        elaborate_text("plan p()\nfor i in 0..1000000000000000:" + failing, max_steps=10)
+    for e in (err.value, at_once.value):
+        group = e.errors if isinstance(e, ErrorGroup) else [e]
+        assert [(x.span.line, x.span.column) for x in group] == [(2, 5)]
+
+
 def test_let_in_a_loop_body_is_scoped_to_the_iteration():
     text = ("plan p()\nlet x = 1\nfor i in 0..3:\n    let y = x + i\n    replicate h.{y} into 1\n")
     plan = elaborate_text(text)

@@ -164,6 +164,11 @@ class Elaborator(Places):
         if not isinstance(it, (Range, tuple)):
             raise E.WrongType(f"for needs a range or a list, got {type_name(it)} {show(it)}",
                               s.iter.span)
+        if len(it) > self.max_steps - self.steps:
+            # each step of the loop counts: one that cannot fit is refused before it runs (a
+            # loop of millions would otherwise run until it crossed the bound)
+            self.steps = self.max_steps
+            self.step(s.header_span)
         for value in it:
             self.step(s.header_span)
             inner = dict(env)
