@@ -17,7 +17,7 @@ import itertools
 import attrs
 from collections.abc import Callable
 from pathlib import Path as FsPath
-from typing import Any
+from typing import Any, NoReturn
 
 from ssdsl.elaborate import directives as D
 from ssdsl.elaborate import errors as E
@@ -83,15 +83,18 @@ class Elaborator(Places):
     def step(self, span: Span) -> None:
         self.steps += 1
         if self.steps > self.max_steps:
-            self.report(E.TooManyDirectives(
-                f"the plan makes more than {self.max_steps:,} directives and loop steps", span,
-                hint="check the bounds of the loops"), stop_use=False)
-            raise _Abort
+            self.too_many(span)
+
+    def too_many(self, span: Span) -> NoReturn:
+        self.report(E.TooManyDirectives(
+            f"the plan makes more than {self.max_steps:,} directives and loop steps", span,
+            hint="check the bounds of the loops"), stop_use=False)
+        raise _Abort
 
     def emit(self, directive: D.Directive) -> None:
         self.steps += 1
         if self.steps > self.max_steps:
-            self.step(directive.span)
+            self.too_many(directive.span)
         if self.via is not None:  # later phases' errors then name the user's `use` line
             directive = attrs.evolve(directive, span=directive.span.reached_via(self.via))
         self.out.append(directive)
@@ -167,8 +170,7 @@ class Elaborator(Places):
         if len(it) > self.max_steps - self.steps:
             # each step of the loop counts: one that cannot fit is refused before it runs (a
             # loop of millions would otherwise run until it crossed the bound)
-            self.steps = self.max_steps
-            self.step(s.header_span)
+            self.too_many(s.header_span)
         for value in it:
             self.step(s.header_span)
             inner = dict(env)
