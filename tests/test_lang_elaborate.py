@@ -234,7 +234,11 @@ def test_a_loop_too_long_for_the_bound_is_refused_at_its_header_before_it_runs()
     failing = '\n    require i > 0, "the body ran"\n'
     with pytest.raises(E.TooManyDirectives) as at_once:
         elaborate_text("plan p()\nfor i in 0..1000000000000000:" + failing, max_steps=10)
-    for e in (err.value, at_once.value):
+    # a range longer than 2**63 - 1 (Python's len() refuses it) is refused the same way
+    with pytest.raises(E.TooManyDirectives) as widest:
+        elaborate_text("plan p()\nfor i in (0 - 9223372036854775807)..9223372036854775807:"
+                       + body, max_steps=10)
+    for e in (err.value, at_once.value, widest.value):
         group = e.errors if isinstance(e, ErrorGroup) else [e]
         assert [(x.span.line, x.span.column) for x in group] == [(2, 5)]
 

@@ -167,7 +167,9 @@ class Elaborator(Places):
         if not isinstance(it, (Range, tuple)):
             raise E.WrongType(f"for needs a range or a list, got {type_name(it)} {show(it)}",
                               s.iter.span)
-        if len(it) > self.max_steps - self.steps:
+        # a range's count by subtraction: len() refuses one over 2**63 - 1 (-big..big)
+        count = max(0, it.hi - it.lo) if isinstance(it, Range) else len(it)
+        if count > self.max_steps - self.steps:
             # each step of the loop counts: one that cannot fit is refused before it runs (a
             # loop of millions would otherwise run until it crossed the bound)
             self.too_many(s.header_span)
