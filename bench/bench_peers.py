@@ -235,6 +235,8 @@ LEVERS = {
     "own_loss": ("ssdsl.lower.build", "OWN_LOSS", False),
     # a rank's last backward in one walk (no gradients sent before the weights')
     "send_first": ("ssdsl.lower.build", "SEND_FIRST", False),
+    # that last backward walked twice (input gradients, then whole) instead of split in halves
+    "split_last": ("ssdsl.lower.build", "SPLIT_LAST", False),
     "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
     "early_loss": ("ssdsl.runtime.early_loss", "ENABLED", False),
     "sender": ("ssdsl.runtime.sender", "ENABLED", False),

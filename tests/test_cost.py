@@ -514,10 +514,32 @@ def test_a_last_backward_walked_in_two_lets_the_stage_before_start_early(m):
     assert r.devices[1].compute == pytest.approx(m * 1.0 + (m - 1) * 2.0 + 3.0)
 
 
-def test_the_cost_model_reads_which_backwards_the_lowering_walks_in_two(gpt):
+@pytest.mark.parametrize("m", [2, 4, 7])
+def test_a_last_backward_split_in_halves_lets_the_stage_before_start_early_at_no_cost(m):
+    """As above, stage 1's last backward split in halves instead (an input half of 1, then a
+    weight half of 1): its gradient leaves 1 after it starts, and it lasts 2 like any other
+    backward, so stage 0's last backward still ends by hand at 3 (m + 1) - 1, and stage 1
+    computes nothing more than 3 m."""
+    s = one_f_one_b(2, m)
+    costs = attrs.evolve(_uniform(s), split_first=frozenset({(1, 1, m - 1)}))
+    opts = CostOptions(profile=FLAT, cluster=Cluster(2, 8))
+    r = simulate_costs(costs, s, ((0,), (1,)), opts)
+    assert r.makespan == pytest.approx(3.0 * (m + 1) - 1)
+    last = {iv.rank: iv for iv in r.intervals if iv.unit.mb == m - 1 and iv.unit.kind.value == "B"}
+    assert last[1].end - last[1].start == pytest.approx(2.0)
+    assert last[0].start == pytest.approx(last[1].start + 1.0)
+    assert r.devices[1].compute == pytest.approx(m * 3.0)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_the_cost_model_reads_which_backwards_the_lowering_splits_or_walks_in_two(
+        gpt, monkeypatch, split):
+    import ssdsl.lower.build as build
+    monkeypatch.setattr(build, "SPLIT_LAST", split)
     _, _, graph = gpt
     t, lowered = schedule_plan(graph, elaborate_file("1f1b", world=2, sets={}))
     m = materialize(t, schedule=lowered)
+    costs = plan_costs(m, CostOptions(profile=FLAT, cluster=Cluster(2, 8)))
     # the last stage's last micro-batch: the only backward that sends on and ends its rank
-    assert plan_costs(m, CostOptions(profile=FLAT, cluster=Cluster(2, 8))).sent_first == \
-        frozenset({(1, 1, 3)})
+    assert (costs.split_first, costs.sent_first) == (
+        (frozenset({(1, 1, 3)}), frozenset()) if split else (frozenset(), frozenset({(1, 1, 3)})))

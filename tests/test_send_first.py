@@ -1,12 +1,15 @@
-"""A rank's last backward sends its gradients before computing the weights' (``Backward.part``).
+"""A rank's last backward sends its gradients before computing the weights'.
 
 In a pipeline's cool-down each stage's last backward is what the stage before waits for, and
-nothing waits on the stage itself afterwards. The lowering walks that backward in two: the
-first walk computes only the gradients the unit sends on, the send goes out, and the second walk
-computes the weights' gradients. Oracles: the plain single-device model (loss and every
-gradient of step 0 in float64, every rank's lowered program simulated in one process, which
-runs the very handlers the ranks run), and the plans' own shape (which rank sends what to whom,
-read from the programs' communication, not from the rule under test).
+nothing waits on the stage itself afterwards. The lowering splits that backward in halves
+(``_split_last``): a ``BackwardInput`` computes only the gradients the unit sends on, the sends
+go out, and a ``BackwardWeight`` computes the weights' gradients from the gradients the input half
+kept, one walk's work in all. Where it cannot split (ZeRO stage 3, or ``SPLIT_LAST`` off), it
+walks that backward in two (``Backward.part``): the second walk whole, on hosts whose ranks have
+cores of their own. Oracles: the plain single-device model (loss and every gradient of step 0 in
+float64, every rank's lowered program simulated in one process, which runs the very handlers the
+ranks run), and the plans' own shape (which rank sends what to whom, read from the programs'
+communication, not from the rule under test).
 """
 
 from __future__ import annotations
@@ -38,6 +41,17 @@ def _parts(p) -> list[tuple[int, str]]:
             if x.kind == "backward" and x.part != "whole"]
 
 
+def _halves(p) -> list[tuple[int, str]]:
+    """The split backward halves inside ``B`` units (not ``I``/``W`` units of the plan's own)."""
+    out, unit = [], ""
+    for i, x in enumerate(p.instructions):
+        if x.kind == "begin":
+            unit = x.unit
+        elif x.kind in ("backward_input", "backward_weight") and "B" in unit:
+            out.append((i, x.kind))
+    return out
+
+
 def _last_backward_sends(p) -> bool:
     """Whether the rank's last backward unit sends another rank a gradient (a backward comm
     with a send)."""
@@ -53,11 +67,42 @@ PIPELINES = [("1f1b", 2, {}), ("1f1b", 4, {}), ("gpipe", 2, {}), ("interleaved_1
 
 @pytest.mark.parametrize("plan, world, sets", PIPELINES,
                          ids=[f"{p}-{w}" for p, w, _ in PIPELINES])
-def test_the_last_backward_sends_before_the_weights_and_trains_like_the_model(
+def test_the_last_backward_is_split_sends_between_its_halves_and_trains_like_the_model(
         tmp_path, plan, world, sets):
     mf, m, programs = _lower(tmp_path, plan, world, **sets)
     for p in programs:
+        assert _parts(p) == []  # no backward walked twice
+        halves = _halves(p)
+        if not _last_backward_sends(p):  # the first stage: nobody waits for its gradients
+            assert halves == []
+            continue
+        kinds = [k for _, k in halves]
+        assert kinds[0] == "backward_input" and kinds[-1] == "backward_weight", kinds
+        i = halves[0][0]
+        j = next(k for k, kind in halves if kind == "backward_weight")
+        # all in the rank's last backward unit: no unit begins after the input half
+        assert not any(x.kind == "begin" for x in p.instructions[i:])
+        between = p.instructions[i + 1:j]
+        sends = [x for x in between if x.kind == "comm"]
+        assert sends and all(x.backward for x in sends)
+        assert all(x.kind in ("comm", "backward_input") for x in between)
+        # the forward of that unit reads its mixing calls' weights through weight cuts
+        assert any(x.kind == "cut" and "|w" in x.out for x in p.instructions)
+        assert not any(x.kind.startswith("backward") for x in p.instructions[halves[-1][0] + 1:])
+        assert parse_program(program_text(p)) == p
+    problems, _, _ = compare_with_model(m, mf, simulate_model_file(m, programs, mf))
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("plan, world, sets", PIPELINES[:2] + PIPELINES[3:],
+                         ids=[f"{p}-{w}" for p, w, _ in PIPELINES[:2] + PIPELINES[3:]])
+def test_without_the_split_the_last_backward_is_walked_twice_and_trains_like_the_model(
+        tmp_path, monkeypatch, plan, world, sets):
+    monkeypatch.setattr(build, "SPLIT_LAST", False)
+    mf, m, programs = _lower(tmp_path, plan, world, **sets)
+    for p in programs:
         parts = _parts(p)
+        assert _halves(p) == []
         if not _last_backward_sends(p):  # the first stage: nobody waits for its gradients
             assert parts == []
             continue
@@ -77,16 +122,17 @@ def test_the_last_backward_sends_before_the_weights_and_trains_like_the_model(
 def test_without_the_rule_every_backward_is_one_walk(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "SEND_FIRST", False)
     mf, m, programs = _lower(tmp_path, "1f1b", 2)
-    assert all(_parts(p) == [] for p in programs)
+    assert all(_parts(p) == [] and _halves(p) == [] for p in programs)
     problems, _, _ = compare_with_model(m, mf, simulate_model_file(m, programs, mf))
     assert not problems, problems
 
 
 def test_a_recomputed_stage_is_walked_once(tmp_path):
-    """A second walk would run the recomputed calls again: the stage keeps one walk."""
+    """A second walk would run the recomputed calls again, and a split backward refuses
+    recompute: the stage keeps one walk."""
     mf, m, programs = _lower(tmp_path, RECOMPUTED, 2)
     assert any(x.kind == "recompute" for x in programs[1].instructions)
-    assert all(_parts(p) == [] for p in programs)
+    assert all(_parts(p) == [] and _halves(p) == [] for p in programs)
     problems, _, _ = compare_with_model(m, mf, simulate_model_file(m, programs, mf))
     assert not problems, problems
 
@@ -98,13 +144,15 @@ def test_plans_that_send_no_stage_gradients_or_split_already_are_unchanged(
     """Tensor and data parallelism send no gradient to a waiting stage; a zero-bubble plan's
     backwards are split by the plan itself."""
     _, _, programs = _lower(tmp_path, plan, world, **sets)
-    assert all(_parts(p) == [] for p in programs)
+    assert all(_parts(p) == [] and _halves(p) == [] for p in programs)
 
 
-def test_a_job_whose_ranks_share_cores_plans_every_backward_in_one_walk(tmp_path, monkeypatch):
+@pytest.mark.parametrize("split", [True, False])
+def test_a_job_whose_ranks_share_cores_plans_every_backward_in_one_walk(tmp_path, monkeypatch,
+                                                                       split):
     """The job decides once, before planning (``JobSpec.send_first``): on CPU ranks that share
-    cores the second walk would take a core another rank needs. The programs then have no
-    parts, and still train like the model."""
+    cores the second walk would take a core another rank needs. Without the split the programs
+    then have no parts; the split adds no work and stays. Both train like the model."""
     import attrs
 
     from ssdsl.runtime.job import JobSpec, for_host, plan_from_graph
@@ -112,6 +160,7 @@ def test_a_job_whose_ranks_share_cores_plans_every_backward_in_one_walk(tmp_path
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.delenv("SSDSL_RANK_CPUS", raising=False)
+    monkeypatch.setattr(build, "SPLIT_LAST", split)
     spec = JobSpec(str(GPT), "1f1b", dtype="float64")
     assert for_host(spec, local=4, threads=1).send_first is False   # 4 ranks on 2 cores
     assert for_host(spec, local=2, threads=1).send_first is True    # a core each
@@ -129,7 +178,8 @@ def test_a_job_whose_ranks_share_cores_plans_every_backward_in_one_walk(tmp_path
         m = plan_from_graph(job, 2, _GRAPH[0])
         assert m.send_first is not shared
         programs = build.lower_plan(m).programs
-        assert any(_parts(p) for p in programs) is not shared
+        assert any(_parts(p) for p in programs) is (not shared and not split)
+        assert any(_halves(p) for p in programs) is split
         problems, _, _ = compare_with_model(m, mf, simulate_model_file(m, programs, mf))
         assert not problems, problems
 

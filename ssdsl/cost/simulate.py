@@ -190,8 +190,11 @@ class _Sim(UnitWalk):
         return max(self.rank_duration(unit, h) for h in hosts)
 
     def record(self, unit: Unit, r: int, start: float, end: float) -> None:
-        walks = _walks(self.costs, self.groups[r][0], unit)
-        if walks != 1.0:  # the gradients leave after the first walk, an input half
+        d = self.groups[r][0]
+        walks = _walks(self.costs, d, unit)
+        if walks != 1.0 or (unit.kind is Pass.B and (d, unit.stage, unit.mb)
+                            in self.costs.split_first):
+            # the gradients leave after the first walk or half, an input half
             self.sent_at[unit] = start + (end - start) * _HALF[Pass.I] / walks
         self.out.append(Interval(unit, r, start, end))
 

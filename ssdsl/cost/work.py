@@ -95,6 +95,9 @@ class PlanCosts:
     # (device, stage, micro-batch) of each backward unit whose program walks it in two, sending
     # its gradients after the first walk (``Backward.part``, read from the lowered programs)
     sent_first: frozenset[tuple[int, int, int]] = frozenset()
+    # the same, of each backward unit whose program splits it into its input and weight halves
+    # (``BackwardInput`` then ``BackwardWeight`` in a ``B`` unit): one walk's work in all
+    split_first: frozenset[tuple[int, int, int]] = frozenset()
 
 
 @attrs.frozen(kw_only=True)
@@ -122,25 +125,29 @@ def plan_costs(m: Materialized, opts: CostOptions) -> PlanCosts:
     memory, reducer, optimizer, overlapped = _static(m, opts, devices)
     frozen = {k: UnitCost(**v) for k, v in units.items()}
     return PlanCosts(frozen, fwd_delay, bwd_delay, reducer, optimizer, memory, devices,
-                     loss_collective(m), overlapped, _sent_first(m))
+                     loss_collective(m), overlapped, *_sent_first(m))
 
 
-def _sent_first(m: Materialized) -> frozenset[tuple[int, int, int]]:
-    """The backward units the lowering walks in two (``Backward.part == 'sent'``), per device:
-    read from one program per pipeline rank (a rank's devices run the same units)."""
+def _sent_first(m: Materialized) -> tuple[frozenset[tuple[int, int, int]],
+                                          frozenset[tuple[int, int, int]]]:
+    """The backward units the lowering walks in two (``Backward.part == 'sent'``) and those it
+    splits in halves (a ``BackwardInput`` in a ``B`` unit), per device: read from one program
+    per pipeline rank (a rank's devices run the same units)."""
     lowered = m.schedule
     if lowered is None or lowered.schedule.stages.num_stages < 2:
-        return frozenset()
-    classes, out = classes_of(m), set()
+        return frozenset(), frozenset()
+    classes, twice, split = classes_of(m), set(), set()
     for group in lowered.groups:
         unit = None
         for ins in classes.representative(group[0]).instructions:
             if ins.kind == "begin":
                 unit = ins.unit
-            elif ins.kind == "backward" and ins.part == "sent" and unit is not None:
+            elif unit is not None and "B" in unit and (
+                    ins.kind == "backward_input" or ins.kind == "backward" and ins.part == "sent"):
                 stage, mb = unit.split("B")
-                out.update((d, int(stage), int(mb)) for d in group)
-    return frozenset(out)
+                into = split if ins.kind == "backward_input" else twice
+                into.update((d, int(stage), int(mb)) for d in group)
+    return frozenset(twice), frozenset(split)
 
 
 # ------------------------------------------------------------------------------ compute

@@ -79,6 +79,10 @@ TAG_STRIDE = 4096
 # False lowers every backward in one walk whatever the job says (benchmarks compare)
 SEND_FIRST = True
 
+# True: that last backward is split into its input and weight halves (``_split_last``), one walk
+# in all; False: walked twice, the second time whole (``_sent_first``; benchmarks compare)
+SPLIT_LAST = True
+
 # False sums the loss over all ranks even where each holds all of it (``own_loss``;
 # ``bench/bench_peers.py --off own_loss`` compares)
 OWN_LOSS = True
@@ -381,6 +385,7 @@ class _RankLowering:
         # a split backward's two sides (see the module docstring): values depending on a received
         # leaf (the leaves included), values depending on a parameter
         self.split = False
+        self.split_units: frozenset[str] = frozenset()  # forward units split alone (_split_last)
         self.activation_side: set[str] = set()
         self.weight_dep: set[str] = set()
         self.n_weight_cuts = 0
@@ -423,6 +428,7 @@ class _RankLowering:
             if _split_unit(unit)[1] == "B":
                 self.last_backward[_split_unit(unit)[0]] = unit
                 self.device_last_backward = unit
+        self.split_units = self._split_last()
         self.next_unit = {a: b for (a, _), (b, _) in zip(units, units[1:])}
         for unit, span in units:
             self.out.append(Begin(unit, span=span, grad=_split_unit(unit)[0] not in frozen))
@@ -896,7 +902,7 @@ class _RankLowering:
         elif span is None:
             self._close_region()
         outs = tuple(self._value(x, op.name, part, mb) for x in op.outputs)
-        if self.split:
+        if self.split or unit in self.split_units:
             ins = self._weight_cuts(ins, outs, unit, part)
         is_loss = self.graph.output in op.outputs
         own = self.c.own_loss
@@ -960,6 +966,10 @@ class _RankLowering:
         items = self.forward_items.get(forward)
         if items is None:
             return  # the checker names a backward without its forward
+        if forward in self.split_units:  # its input half, what it sends, then its weight half
+            self._input_grad(stage, mb, span)
+            self._weight_grad(stage, mb, span)
+            return
         runs = [it for it in reversed(items) if isinstance(it, _Segment)
                 and (it.seeds or it.roots or it.collect)]
         last = {b: k for k, it in enumerate(runs) for b in it.buckets}
@@ -992,6 +1002,34 @@ class _RankLowering:
             for b in sorted(b for b in first.buckets if last[b] == k):
                 self._release(b, final)
         self.out.append(Free(tuple(self.made.get(forward, ())), span=span))
+
+    def _split_last(self) -> frozenset[str]:
+        """The forward units whose backward this rank splits into its input and weight halves
+        although the plan asks for whole backwards: the forward of the rank's last backward
+        unit, where that stage's backward sends gradients to another device. The stage before
+        waits for them while nothing here does, and after this unit no forward is left to
+        hide the wait: the input half computes them and they leave, then the weight half
+        computes the weights' gradients from the gradients the input half kept (one walk in
+        all, as ``I`` and ``W`` units of a zero-bubble plan run, so it costs a whole backward's
+        work). The forward reads the weights of its mixing calls through weight cuts for it.
+        Not with ``recompute`` (a split backward refuses it), nor ZeRO stage 3 (its buckets
+        follow whole backwards: ``_sent_first`` walks those twice instead). Unlike that second
+        walk, it adds no work: it stays where the ranks share cores (``Materialized.send_first``
+        False; on the peers' 1f1b, 4 ranks on 2 cores, the step 0.974 times as long as with the
+        two walks and 0.976 as with none)."""
+        unit = self.device_last_backward
+        if (not (SEND_FIRST and SPLIT_LAST) or self.split
+                or unit is None or self.z3 or self.c.recompute):
+            return frozenset()
+        stage, _, mb = _split_unit(unit)
+        for op, part, _, _ in self._steps(stage):
+            if part is None:
+                continue
+            for slot, name in enumerate(op.inputs):
+                edge, mine = self._edge_here((name, op.name, slot))
+                if edge is not None and mine and self._sends_back(edge.adapter):
+                    return frozenset({f"{stage}F{mb}"})
+        return frozenset()
 
     def _sent_first(self, unit: str, items: list, runs: list[_Segment]) -> _Segment | None:
         """The segment whose backward this unit runs in two walks (``Backward.part``), or None:

@@ -78,6 +78,8 @@ class Materialized:
     # does for free. False where the ranks share cores (``ssdsl.runtime.host``): there the
     # second walk takes a core another rank needs. The job decides (``JobSpec.send_first``)
     # once, before any program is lowered, so that every rank and the checker lower alike.
+    # Where the lowering can split that backward in halves instead (``_split_last``: no work
+    # added), it does so whatever this says.
     send_first: bool = True
 
     def part_on(self, op: str, device: int) -> Part | None:
