@@ -60,6 +60,41 @@ def test_a_dropped_value_is_never_read_again_and_nothing_read_again_is_dropped(p
         dropped_before |= got
 
 
+@pytest.mark.parametrize("plan, world", [("1f1b", 2), ("zb_h1", 2)])
+def test_a_split_backward_holds_only_graph_places_of_what_its_weight_half_starts_from(plan,
+                                                                                       world):
+    """``held_as_edges``: the kept outputs of each input half that no later instruction reads,
+    save a weight half as a mixing call's first output (where its autograd may start), and
+    that the input half reads in no other role; on the last stage of 1F1B (split by the
+    lowering) the logits are among them."""
+    from ssdsl.lower.instr import BackwardInput, BackwardWeight
+    from ssdsl.runtime.liveness import held_as_edges
+
+    logits = _logits(plan, world, {})
+    found = set()
+    for rank in range(world):
+        program = _program(plan, world, rank)
+        held = held_as_edges(program)
+        ins = program.instructions
+        for i, x in enumerate(ins):
+            if not isinstance(x, BackwardInput):
+                continue
+            later: set[str] = set()
+            for y in ins[i + 1:]:
+                if isinstance(y, BackwardWeight):
+                    later |= {*y.seeds, *y.roots, *y.inputs}
+                    for outs, cuts in y.mixes:
+                        later |= {*outs[1:], *(v for pair in cuts for v in pair)}
+                else:
+                    later |= set(reads(y))
+            other = {*x.seeds, *x.roots, *x.inputs, *(leaf for leaf, _ in x.collect)}
+            want = {v for v in x.keep if v not in later and v not in other}
+            got = held.get(id(x), (None, ()))[1]
+            assert set(got) == want and len(got) == len(want), (plan, rank, i)
+            found |= set(got)
+    assert found & logits, (plan, sorted(found)[:8])
+
+
 def drop_worker(plan: str, sets: dict, on: bool) -> tuple[list[float], dict, list[set]]:
     import ssdsl
     from ssdsl.runtime import executor, liveness

@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch.autograd.graph import get_gradient_edge
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
@@ -41,7 +42,7 @@ from ssdsl.runtime.flat import FlatGrads, flat_grads
 from ssdsl.runtime.groups import ProcessGroups, groups_of
 from ssdsl.runtime import liveness
 from ssdsl.runtime.init import init_shards
-from ssdsl.runtime.liveness import dead_before_backwards
+from ssdsl.runtime.liveness import dead_before_backwards, held_as_edges
 from ssdsl.runtime.overlap import OverlapPlan, Parts, overlap_plan
 from ssdsl.runtime.prebuilt import prebuild
 from ssdsl.runtime.prologue import step_values_code
@@ -211,6 +212,8 @@ class Runner(Handler):
         self.env: dict[str, Any] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self.kept: dict[str, torch.Tensor] = {}  # output gradients an I unit keeps for its W
+        # the gradient edges of kept outputs dropped from ``env`` at their I unit (liveness)
+        self.edges: dict[str, Any] = {}
         self.batch: tuple[torch.Tensor, ...] = ()
         self.losses: list[tuple[torch.Tensor, bool]] = []
         self.loss_total: float | None = None
@@ -227,6 +230,9 @@ class Runner(Handler):
         # of the program ``run`` walks, and of each program it walked
         self._dead: dict[int, tuple[Any, tuple[str, ...]]] = {}
         self._dead_of: dict[int, tuple[Program, dict]] = {}
+        # the kept outputs each input half holds as gradient edges only (``liveness``), likewise
+        self._after: dict[int, tuple[Any, tuple[str, ...]]] = {}
+        self._after_of: dict[int, tuple[Program, dict]] = {}
         # each weight half's closed-form rules per mixing call (``runtime.wgrad``) of the program
         # being walked (``prepare``), and of each program prepared
         self._wrules: dict[int, tuple[Any, tuple]] = {}
@@ -239,7 +245,7 @@ class Runner(Handler):
         """A new step on the whole batch ``(*inputs, target)``."""
         self.batch = tuple(batch)
         self.env, self.grads, self.losses, self.loss_total = {}, {}, [], None
-        self.kept = {}
+        self.kept, self.edges = {}, {}
         # the optimizer clears the gradients of what it steps; the weights of a sharded bucket
         # are not among them (stage 1 keeps their whole gradient until here)
         for shard in self.zero.values():
@@ -285,6 +291,8 @@ class Runner(Handler):
         program instead of once per instruction and step."""
         self._dead = _once(self._dead_of, program,
                            lambda: dead_before_backwards(program) if liveness.ENABLED else {})
+        self._after = _once(self._after_of, program,
+                            lambda: held_as_edges(program) if liveness.ENABLED else {})
         self.prepare(program)
         if type(self).visit is not Runner.visit or not RUN_LOOP:  # a subclass dispatches its way
             for _ in walk(program, self):
@@ -379,7 +387,7 @@ class Runner(Handler):
         self.env[ins.out] = src.detach().requires_grad_(src.requires_grad)
 
     def on_free(self, ins) -> None:
-        for table in (self.env, self.grads, self.kept):
+        for table in (self.env, self.grads, self.kept, self.edges):
             if table:
                 pop = table.pop
                 for v in ins.values:
@@ -497,13 +505,17 @@ class Runner(Handler):
                 grads.append(g)
         return tensors, grads
 
+    def _drop_dead(self, ins) -> None:
+        """What no later instruction reads leaves ``env`` (``runtime.liveness``)."""
+        got = self._dead.get(id(ins))
+        if got is not None and got[0] is ins:
+            pop = self.env.pop
+            for v in got[1]:
+                pop(v, None)
+
     def on_backward(self, ins) -> None:
-        if self._dead:  # what no later instruction reads leaves ``env`` (``runtime.liveness``)
-            got = self._dead.get(id(ins))
-            if got is not None and got[0] is ins:
-                pop = self.env.pop
-                for v in got[1]:
-                    pop(v, None)
+        if self._dead:
+            self._drop_dead(ins)
         part = ins.part
         if part == "sent":
             return self._backward_sent(ins)
@@ -549,14 +561,27 @@ class Runner(Handler):
         """Gradients of the received leaves only; the kept outputs' gradients come along (they
         lie on the way), the weight cuts' do not (nobody asks for them), and the graph stays for
         the weight half."""
-        tensors, grads = self._starts(ins.seeds, ins.roots)
+        if self._dead:
+            self._drop_dead(ins)
         env = self.env
         names = [v for v in (*ins.inputs, *ins.keep) if v in env and env[v].requires_grad]
+        places = [env[v] for v in names]
+        if self._after:  # kept outputs nothing reads again but as graph places (liveness)
+            after = self._after.get(id(ins))
+            if after is not None and after[0] is ins:
+                edges, at = self.edges, {v: k for k, v in enumerate(names)}
+                for v in after[1]:
+                    k = at.get(v)
+                    if k is not None and places[k].grad_fn is not None:
+                        places[k] = edges[v] = get_gradient_edge(places[k])
+                        del env[v]
+        tensors, grads = self._starts(ins.seeds, ins.roots)
         if tensors and names:
             # autograd.grad hands the gradients over as they are; backward(inputs=...) would
             # accumulate each into a .grad, copying every one that autograd still holds
-            got = torch.autograd.grad(tensors, [env[v] for v in names], grads,
-                                      retain_graph=True, allow_unused=True)
+            got = torch.autograd.grad(tensors, places, grads, retain_graph=True,
+                                      allow_unused=True)
+            places = None
             keep = set(ins.keep)
             for v, g in zip(names, got):
                 if g is None:
@@ -590,7 +615,8 @@ class Runner(Handler):
                         grads.append(g)
                     self.closed_form += 1
                     continue
-            ys = [(env[o], self.kept.pop(o)) for o in outs if o in self.kept]
+            ys = [(env[o] if o in env else self.edges[o], self.kept.pop(o))
+                  for o in outs if o in self.kept]
             cs = [(env[c], src) for c, src in cuts if env[c].requires_grad]
             if not ys or not cs:
                 continue

@@ -137,7 +137,7 @@ def _free_lines(src: _Source, runner: Any, ins: Any, k: int) -> list[str] | None
     pops = "; ".join(f"t.pop({v!r}, None)" for v in ins.values)
     if not pops:
         return ["pass"]
-    return ["for t in (e, R.grads, R.kept):", "    if t:", f"        {pops}"]
+    return ["for t in (e, R.grads, R.kept, R.edges):", "    if t:", f"        {pops}"]
 
 
 def _input_lines(src: _Source, runner: Any, ins: Any, k: int) -> list[str] | None:
