@@ -20,7 +20,9 @@ runs ``F(0, k) B(0, k)`` for every micro-batch) are written out instruction by i
   *weight side* when it depends on parameters only. A call that reads both reads each weight-side
   input through a weight cut (a ``Cut`` of its own): so the input half's autograd reaches no
   weight (the product of a weight gradient is left out: it is not asked for), and the weight
-  half starts at those cuts, from the output gradients the input half kept.
+  half starts at those cuts, from the output gradients the input half kept. A rank's last
+  backward unit is split the same way inside its ``B`` unit where its stage sends gradients to
+  another device (``_split_last``): input half, the sends, weight half.
 - ``recompute`` selections become ``RecomputeBegin``/``RecomputeEnd`` around each run of selected
   calls inside one segment: a communication point ends a run, so recompute never communicates.
 - several parts of one operator on a rank (co-shard) are several ``Call``s, in part order, and
