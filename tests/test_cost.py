@@ -499,36 +499,27 @@ def test_convolution_flops_are_torch_s_count(tmp_path, dims, groups, pad, stride
 
 
 @pytest.mark.parametrize("m", [2, 4, 7])
-def test_a_last_backward_walked_in_two_lets_the_stage_before_start_early(m):
-    """Two stages, F = 1, B = 2, no communication; stage 1's last backward walked in two
-    (an input half of 1, then a whole backward of 2): its gradient leaves 1 after it starts, so
-    stage 0's last backward ends with it, by hand 3 (m + 1) - 1 instead of 3 (m + 1)."""
+@pytest.mark.parametrize("how, lasts, computes", [
+    # walked in two: an input half of 1, then a whole backward of 2
+    ("sent_first", 3.0, lambda m: m * 1.0 + (m - 1) * 2.0 + 3.0),
+    # split in halves: an input half of 1, then a weight half of 1
+    ("split_first", 2.0, lambda m: m * 3.0),
+])
+def test_a_last_backward_that_sends_first_lets_the_stage_before_start_early(m, how, lasts,
+                                                                            computes):
+    """Two stages, F = 1, B = 2, no communication; stage 1's last backward sends its gradient
+    after an input half (1), so stage 0's last backward ends by hand at 3 (m + 1) - 1 instead of
+    3 (m + 1). Walked in two, that backward lasts 3; split in halves, 2 like any other, and
+    stage 1 computes nothing more than 3 m."""
     s = one_f_one_b(2, m)
-    costs = attrs.evolve(_uniform(s), sent_first=frozenset({(1, 1, m - 1)}))
+    costs = attrs.evolve(_uniform(s), **{how: frozenset({(1, 1, m - 1)})})
     opts = CostOptions(profile=FLAT, cluster=Cluster(2, 8))
     r = simulate_costs(costs, s, ((0,), (1,)), opts)
     assert r.makespan == pytest.approx(3.0 * (m + 1) - 1)
     last = {iv.rank: iv for iv in r.intervals if iv.unit.mb == m - 1 and iv.unit.kind.value == "B"}
-    assert last[1].end - last[1].start == pytest.approx(3.0)
+    assert last[1].end - last[1].start == pytest.approx(lasts)
     assert last[0].start == pytest.approx(last[1].start + 1.0)
-    assert r.devices[1].compute == pytest.approx(m * 1.0 + (m - 1) * 2.0 + 3.0)
-
-
-@pytest.mark.parametrize("m", [2, 4, 7])
-def test_a_last_backward_split_in_halves_lets_the_stage_before_start_early_at_no_cost(m):
-    """As above, stage 1's last backward split in halves instead (an input half of 1, then a
-    weight half of 1): its gradient leaves 1 after it starts, and it lasts 2 like any other
-    backward, so stage 0's last backward still ends by hand at 3 (m + 1) - 1, and stage 1
-    computes nothing more than 3 m."""
-    s = one_f_one_b(2, m)
-    costs = attrs.evolve(_uniform(s), split_first=frozenset({(1, 1, m - 1)}))
-    opts = CostOptions(profile=FLAT, cluster=Cluster(2, 8))
-    r = simulate_costs(costs, s, ((0,), (1,)), opts)
-    assert r.makespan == pytest.approx(3.0 * (m + 1) - 1)
-    last = {iv.rank: iv for iv in r.intervals if iv.unit.mb == m - 1 and iv.unit.kind.value == "B"}
-    assert last[1].end - last[1].start == pytest.approx(2.0)
-    assert last[0].start == pytest.approx(last[1].start + 1.0)
-    assert r.devices[1].compute == pytest.approx(m * 3.0)
+    assert r.devices[1].compute == pytest.approx(computes(m))
 
 
 @pytest.mark.parametrize("split", [True, False])
