@@ -581,7 +581,6 @@ class Runner(Handler):
             # accumulate each into a .grad, copying every one that autograd still holds
             got = torch.autograd.grad(tensors, places, grads, retain_graph=True,
                                       allow_unused=True)
-            places = None
             keep = set(ins.keep)
             for v, g in zip(names, got):
                 if g is None:

@@ -3,8 +3,9 @@
 Two choices depend on it. A rank whose compute threads leave a core free gains from doing work
 off its critical path in a thread or in a walk of its own (``ssdsl.runtime.sender``: sends
 issued by a thread; ``Materialized.send_first``: a last backward walked twice so that its
-gradients leave first, where the lowering cannot split it in halves); where the ranks already fill the cores (4 one-thread ranks on 2
-cores), that work takes a core another rank needs, and the step gets longer. A GPU rank always
+gradients leave first, where the lowering cannot split it in halves); where the ranks already
+fill the cores (4 one-thread ranks on 2 cores), that work takes a core another rank needs, and
+the step gets longer. A GPU rank always
 has its device to itself: these choices concern CPU ranks only.
 """
 

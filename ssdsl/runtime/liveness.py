@@ -42,7 +42,10 @@ def dead_before_backwards(program: Program) -> dict[int, tuple[Any, tuple[str, .
     """``id(backward) -> (backward, the values to drop from env before it)`` for each
     ``Backward`` or ``BackwardInput`` of ``program`` that starts a walk and has any."""
     instructions = program.instructions
-    last = _last_reads(instructions)
+    last: dict[str, int] = {}
+    for i, ins in enumerate(instructions):
+        for v in reads(ins):
+            last[v] = i
     live: dict[str, None] = {}  # defined and not freed yet, in order of definition
     out: dict[int, tuple[Any, tuple[str, ...]]] = {}
     for i, ins in enumerate(instructions):
@@ -66,7 +69,10 @@ def held_as_edges(program: Program) -> dict[int, tuple[Any, tuple[str, ...]]]:
     instructions = program.instructions
     if not any(isinstance(ins, BackwardInput) for ins in instructions):
         return {}
-    last = _last_reads(instructions)
+    last: dict[str, int] = {}
+    for i, ins in enumerate(instructions):
+        for v in _reads(ins):
+            last[v] = i
     out: dict[int, tuple[Any, tuple[str, ...]]] = {}
     for i, ins in enumerate(instructions):
         if isinstance(ins, BackwardInput):
@@ -86,14 +92,6 @@ def _reads(ins: Any) -> tuple[str, ...]:
             v for outs, cuts in ins.mixes for v in (*outs[1:], *(x for c in cuts for x in c))
         ) + ins.inputs
     return reads(ins)
-
-
-def _last_reads(instructions) -> dict[str, int]:
-    last: dict[str, int] = {}
-    for i, ins in enumerate(instructions):
-        for v in _reads(ins):
-            last[v] = i
-    return last
 
 
 __all__ = ["ENABLED", "dead_before_backwards", "held_as_edges"]
