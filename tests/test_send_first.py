@@ -94,8 +94,8 @@ def test_the_last_backward_is_split_sends_between_its_halves_and_trains_like_the
     assert not problems, problems
 
 
-@pytest.mark.parametrize("plan, world, sets", PIPELINES[:2] + PIPELINES[3:],
-                         ids=[f"{p}-{w}" for p, w, _ in PIPELINES[:2] + PIPELINES[3:]])
+@pytest.mark.parametrize("plan, world, sets", PIPELINES,
+                         ids=[f"{p}-{w}" for p, w, _ in PIPELINES])
 def test_without_the_split_the_last_backward_is_walked_twice_and_trains_like_the_model(
         tmp_path, monkeypatch, plan, world, sets):
     monkeypatch.setattr(build, "SPLIT_LAST", False)
