@@ -124,8 +124,9 @@ def plan_costs(m: Materialized, opts: CostOptions) -> PlanCosts:
     fwd_delay, bwd_delay = _adapters(m, opts, units)
     memory, reducer, optimizer, overlapped = _static(m, opts, devices)
     frozen = {k: UnitCost(**v) for k, v in units.items()}
+    twice, split = _sent_first(m)
     return PlanCosts(frozen, fwd_delay, bwd_delay, reducer, optimizer, memory, devices,
-                     loss_collective(m), overlapped, *_sent_first(m))
+                     loss_collective(m), overlapped, sent_first=twice, split_first=split)
 
 
 def _sent_first(m: Materialized) -> tuple[frozenset[tuple[int, int, int]],

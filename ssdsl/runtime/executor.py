@@ -231,8 +231,8 @@ class Runner(Handler):
         self._dead: dict[int, tuple[Any, tuple[str, ...]]] = {}
         self._dead_of: dict[int, tuple[Program, dict]] = {}
         # the kept outputs each input half holds as gradient edges only (``liveness``), likewise
-        self._after: dict[int, tuple[Any, tuple[str, ...]]] = {}
-        self._after_of: dict[int, tuple[Program, dict]] = {}
+        self._edged: dict[int, tuple[Any, tuple[str, ...]]] = {}
+        self._edged_of: dict[int, tuple[Program, dict]] = {}
         # each weight half's closed-form rules per mixing call (``runtime.wgrad``) of the program
         # being walked (``prepare``), and of each program prepared
         self._wrules: dict[int, tuple[Any, tuple]] = {}
@@ -291,7 +291,7 @@ class Runner(Handler):
         program instead of once per instruction and step."""
         self._dead = _once(self._dead_of, program,
                            lambda: dead_before_backwards(program) if liveness.ENABLED else {})
-        self._after = _once(self._after_of, program,
+        self._edged = _once(self._edged_of, program,
                             lambda: held_as_edges(program) if liveness.ENABLED else {})
         self.prepare(program)
         if type(self).visit is not Runner.visit or not RUN_LOOP:  # a subclass dispatches its way
@@ -566,11 +566,11 @@ class Runner(Handler):
         env = self.env
         names = [v for v in (*ins.inputs, *ins.keep) if v in env and env[v].requires_grad]
         places = [env[v] for v in names]
-        if self._after:  # kept outputs nothing reads again but as graph places (liveness)
-            after = self._after.get(id(ins))
-            if after is not None and after[0] is ins:
+        if self._edged:  # kept outputs nothing reads again but as graph places (liveness)
+            held = self._edged.get(id(ins))
+            if held is not None and held[0] is ins:
                 edges, at = self.edges, {v: k for k, v in enumerate(names)}
-                for v in after[1]:
+                for v in held[1]:
                     k = at.get(v)
                     if k is not None and places[k].grad_fn is not None:
                         places[k] = edges[v] = get_gradient_edge(places[k])
