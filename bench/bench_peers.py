@@ -255,6 +255,8 @@ LEVERS = {
     "overlap": ("ssdsl.lower.overlap", "PART_BYTES", 0),
     # DDP's part sizes (1 MiB, then 25 MiB) off: every part 1 MiB
     "rest_parts": ("ssdsl.lower.overlap", "REST_PART_BYTES", None),
+    # sum all-reduces on gloo by pairwise exchanges below a size (off: gloo's all_reduce always)
+    "exchange": ("ssdsl.runtime.exchange", "ENABLED", False),
 }
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ssdsl.runtime import exchange
 from ssdsl.runtime.groups import ProcessGroups
 
 Members = tuple[int, ...]
@@ -47,7 +48,7 @@ def raw_all_gather(x: torch.Tensor, members: Members, dim: int, groups=None) -> 
 
 def raw_all_reduce(x: torch.Tensor, members: Members, groups=None) -> torch.Tensor:
     y = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(y, group=_pg(groups, members))
+    exchange.all_reduce(y, group=_pg(groups, members))
     return y
 
 

@@ -40,7 +40,7 @@ from ssdsl.runtime.early import EarlyRecv, early_receives
 from ssdsl.runtime.early_loss import LossPlan, loss_plan
 from ssdsl.runtime.flat import FlatGrads, flat_grads
 from ssdsl.runtime.groups import ProcessGroups, groups_of
-from ssdsl.runtime import liveness
+from ssdsl.runtime import exchange, liveness
 from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.liveness import dead_before_backwards, held_as_edges
 from ssdsl.runtime.overlap import OverlapPlan, Parts, overlap_plan
@@ -881,7 +881,7 @@ class DistRunner(Runner):
                 grads.append(self._my_loss_tensor(grads[0].dtype))
             buf = _flatten(grads)
         group = self._bucket_groups[bucket]
-        work = dist.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
+        work = exchange.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
                                async_op=True)
         self.started.setdefault(bucket, []).append((k, work, flat, buf))
         self.counts["parts_overlapped"] += 1
@@ -906,7 +906,7 @@ class DistRunner(Runner):
             # the same all-reduce as ``Runner.on_reduce``'s, written into the buffer whose
             # views become the gradients
             buf = flat.fill(leaves, self._my_loss_piece() if ins.loss else None)
-            dist.all_reduce(buf, group=self.groups.get(ins.group) if self.groups else None)
+            exchange.all_reduce(buf, group=self.groups.get(ins.group) if self.groups else None)
             flat.hand_out(leaves)
             if ins.loss:
                 self.loss_total = flat.loss()
@@ -929,7 +929,7 @@ class DistRunner(Runner):
     def _start_loss(self) -> None:
         buf = self._my_loss_tensor(torch.float64)
         group = self.loss_plan.group
-        work = dist.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
+        work = exchange.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
                                async_op=True)
         self._loss_work = (work, buf)
         self.counts["loss_early"] += 1

@@ -1,0 +1,87 @@
+"""All-reduces by pairwise exchanges (``ssdsl.runtime.exchange``) on real gloo ranks: the sum of
+every rank's tensor (computed here from all the inputs, gathered), the same bits on every
+member, in-place and async, on the world and on a group of some of its ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssdsl.runtime import exchange
+from ssdsl.runtime.launch import launch
+
+
+def test_the_rounds_a_rank_sends_at_most():
+    # a power of two: log2(n) swaps; otherwise those of the largest power of two below, and the
+    # fold (an extra member's tensor in, the sum back out)
+    assert [exchange._rounds(n) for n in (2, 3, 4, 5, 6, 8, 12)] == [1, 3, 2, 4, 4, 3, 5]
+
+
+def _inputs(rank: int, numel: int, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + numel)
+    return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+
+
+def worker(numels: list[int], dtype_name: str) -> list[str]:
+    import torch.distributed as dist
+
+    from ssdsl.runtime.dist import distributed
+
+    dtype = getattr(torch, dtype_name)
+    problems: list[str] = []
+    with distributed() as ctx:
+        n, rank = ctx.world_size, ctx.rank
+        # the last two ranks (or the only two) form a group of their own as well
+        sub_ranks = list(range(max(0, n - 2), n))
+        sub = dist.new_group(sub_ranks)
+        real_all_reduce = dist.all_reduce
+
+        def refuse(*a, **k):
+            raise AssertionError("gloo's all_reduce called for an eligible tensor")
+
+        for numel in numels:
+            for where, group, members in (("world", None, list(range(n))),
+                                          ("group", sub, sub_ranks)):
+                if rank not in members:
+                    continue
+                for mode in ("sync", "async"):
+                    x = _inputs(rank, numel, dtype)
+                    mine = x.clone()
+                    eligible = exchange.eligible(x, group)
+                    dist.all_reduce = refuse if eligible else real_all_reduce
+                    try:
+                        work = exchange.all_reduce(x, group=group, async_op=mode == "async")
+                        if work is not None:
+                            work.wait()
+                    finally:
+                        dist.all_reduce = real_all_reduce
+                    # the oracle: every member's input, gathered, summed in float64
+                    ins = [torch.empty_like(mine) for _ in members]
+                    outs = [torch.empty_like(x) for _ in members]
+                    dist.all_gather(ins, mine, group=group)
+                    dist.all_gather(outs, x, group=group)
+                    want = torch.stack([t.double() for t in ins]).sum(0)
+                    tag = f"{where} {mode} numel={numel} eligible={eligible}"
+                    tol = 1e-12 if dtype == torch.float64 else 1e-5
+                    if not torch.allclose(x.double(), want, rtol=tol, atol=tol):
+                        problems.append(f"{tag}: sum off by "
+                                        f"{(x.double() - want).abs().max().item():.3g}")
+                    if not all(torch.equal(outs[0], o) for o in outs):
+                        problems.append(f"{tag}: members hold different bits")
+    return problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_exchanges_sum_like_the_gathered_inputs_and_agree_to_the_bit(nproc):
+    # 1 and 5,000 elements go by exchanges; 2 million float32 (8 MB) is past MAX_BYTES and
+    # goes to gloo (the same checks hold for it)
+    per_rank = launch(worker, nproc=nproc, args=([1, 5000, 2_000_000], "float32"),
+                      timeout_s=600)
+    assert [p for p in per_rank if p] == []
+
+
+@pytest.mark.slow
+def test_float64_exchanges_on_four_ranks():
+    per_rank = launch(worker, nproc=4, args=([7, 4096], "float64"), timeout_s=600)
+    assert [p for p in per_rank if p] == []
