@@ -47,7 +47,9 @@ def worker(numels: list[int], dtype_name: str) -> list[str]:
                 for mode in ("sync", "async"):
                     x = _inputs(rank, numel, dtype)
                     mine = x.clone()
-                    eligible = exchange.eligible(x, group)
+                    # an async one over a group not of a power of two ranks is gloo's
+                    eligible = exchange.eligible(x, group) and (
+                        mode == "sync" or len(members) & (len(members) - 1) == 0)
                     dist.all_reduce = refuse if eligible else real_all_reduce
                     try:
                         work = exchange.all_reduce(x, group=group, async_op=mode == "async")
@@ -85,3 +87,33 @@ def test_exchanges_sum_like_the_gathered_inputs_and_agree_to_the_bit(nproc):
 def test_float64_exchanges_on_four_ranks():
     per_rank = launch(worker, nproc=4, args=([7, 4096], "float64"), timeout_s=600)
     assert [p for p in per_rank if p] == []
+
+
+def early_worker(numel: int) -> float:
+    """Rank 0 starts an async all-reduce, then receives a message that the last rank sends
+    (blocking) before it starts its own: posting must not wait for the peers."""
+    import torch.distributed as dist
+
+    from ssdsl.runtime.dist import distributed
+
+    with distributed(timeout_s=30) as ctx:
+        n, rank = ctx.world_size, ctx.rank
+        x = torch.full((numel,), float(rank + 1))
+        token = torch.zeros(1)
+        if rank == n - 1:
+            dist.send(torch.ones(1), 0)
+        work = exchange.all_reduce(x, async_op=True)
+        if rank == 0:
+            dist.recv(token, n - 1)
+        work.wait()
+        assert token.item() == (1.0 if rank == 0 else 0.0)
+        return float(x[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_an_async_all_reduce_waits_for_no_peer_when_it_starts(nproc):
+    # the loss's all-reduce starts on a pipeline's first stage at its first unit, long before
+    # the last stage can meet it (``runtime/early_loss.py``)
+    got = launch(early_worker, nproc=nproc, args=(1000,), timeout_s=120)
+    assert got == [float(sum(range(1, nproc + 1)))] * nproc

@@ -1,16 +1,20 @@
 """Sum all-reduces on gloo by pairwise exchanges (recursive doubling) where that is faster.
 
 Gloo's ``all_reduce`` of a CPU tensor runs a ring of chunked messages whatever the size; for
-the tensors a tensor-parallel layer or a small bucket reduces, its fixed costs dominate. Measured
-on this project's 2-core CI machine (torch 2.13, one thread per rank; ``bench/bench_exchange.py``):
+the tensors a tensor-parallel layer or a small bucket reduces, its fixed costs dominate.
+``bench/bench_exchange.py`` (this project's 2-core machine, torch 2.13, one thread per rank,
+ranks pinned as ``ssdsl.runtime.launch`` pins them; three runs at 2 ranks, two at 4) measured
+the time of an all-reduce by exchanges over gloo's:
 
-| ranks | bytes   | gloo all_reduce (wall / CPU) | exchanges (wall / CPU) |
-|-------|---------|------------------------------|------------------------|
-| 2     | 4 KiB   | 1.03 / 0.53 ms               | 0.16 / 0.10 ms         |
-| 2     | 512 KiB | 1.96 / 1.38 ms               | 0.82 / 0.63 ms         |
-| 4     | 4 KiB   | 7.12 / 2.60 ms               | 0.65 / 0.24 ms         |
-| 4     | 512 KiB | 5.92 / 2.50 ms               | 2.78 / 1.20 ms         |
-| 4     | 4 MiB   | 13.0 / 6.0 ms                | 14.1 / 5.7 ms          |
+| ranks | 4 KiB     | 512 KiB   | 1 MiB     | 4 MiB     |
+|-------|-----------|-----------|-----------|-----------|
+| 2     | 0.96-1.16 | 0.55-0.89 | 0.77-1.11 | 0.96-1.10 |
+| 4     | 0.18-0.22 | 0.27-0.37 | 0.54-0.62 | 1.19-1.21 |
+
+and in a training step, same ranks, steps alternating (``bench/bench_lever_ab.py MODEL PLAN
+--lever exchange``) on ``bench_peers``' GPT: ``megatron_tp`` 0.84-0.88 of the step at 2 ranks
+(16 all-reduces of 512 KiB) and 0.69 at 4, ``dp`` 0.96 at 2, ``1f1b`` 1.00 (nothing reduced
+but the loss).
 
 Recursive doubling (the short-message algorithm of MPI libraries): in round ``k`` each rank swaps
 its running sum with the rank whose group position differs in bit ``k`` and adds what it got;
@@ -20,10 +24,8 @@ hands them the result at the end. Every rank sends its whole tensor each round, 
 rank moves grow as ``log2(n)`` where the ring's stay under twice the tensor: past ``MAX_BYTES``
 (the tensor's bytes times the rounds) gloo's own all-reduce runs.
 
-Each rank posts its send before its receive. The other order made the tensor-parallel step of
-``bench_peers`` (16 all-reduces of 512 KiB) 6-8% slower than with gloo's all-reduce, in the
-same ranks with steps alternating (``bench/bench_lever_ab.py ... megatron_tp --lever exchange``);
-sending first made it 12-16% faster.
+Each rank posts its send before its receive: the other order made that ``megatron_tp`` step
+1.06-1.08 as long as with gloo's all-reduce.
 
 The result is the same on every member to the bit: each round, the two partners add the same
 two tensors (in the other order, and IEEE addition commutes), so replicas that all-reduce their
@@ -74,13 +76,17 @@ def eligible(buf: torch.Tensor, group=None) -> bool:
 
 
 class _Pending:
-    """The async all-reduce of two ranks: both messages are posted; ``wait`` adds."""
+    """An async all-reduce over a power-of-two group: the first round's messages are posted at
+    once (they travel while the rank computes); ``wait`` adds what came and runs the other
+    rounds (none for two ranks)."""
 
-    __slots__ = ("buf", "got", "send", "recv")
+    __slots__ = ("buf", "got", "send", "recv", "ranks", "me", "group")
 
-    def __init__(self, buf: torch.Tensor, peer: int, group) -> None:
+    def __init__(self, buf: torch.Tensor, ranks: tuple[int, ...], me: int, group) -> None:
         self.buf, self.got = buf, torch.empty_like(buf)
-        self.send = dist.isend(buf, peer, group=group, tag=TAG)
+        self.ranks, self.me, self.group = ranks, me, group
+        peer = ranks[me ^ 1]
+        self.send = dist.isend(buf, peer, group=group, tag=TAG)  # the send first (above)
         self.recv = dist.irecv(self.got, peer, group=group, tag=TAG)
 
     def wait(self) -> bool:
@@ -88,21 +94,15 @@ class _Pending:
             self.send.wait()  # the tensor is read by the send until then
             self.recv.wait()
             self.buf.add_(self.got)
+            bit = 2
+            while bit < len(self.ranks):
+                _swap_add(self.buf, self.got, self.ranks[self.me ^ bit], self.group)
+                bit <<= 1
             self.send = self.recv = self.got = None
         return True
 
     def is_completed(self) -> bool:
         return self.send is None
-
-
-class _Done:
-    __slots__ = ()
-
-    def wait(self) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 def _swap_add(buf: torch.Tensor, got: torch.Tensor, peer: int, group) -> None:
@@ -134,12 +134,18 @@ def _reduce(buf: torch.Tensor, ranks: tuple[int, ...], me: int, group) -> None:
 
 def all_reduce(buf: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``buf`` in place over ``group`` (torch's ``dist.all_reduce``, op SUM), by exchanges
-    where ``eligible``; with ``async_op`` returns something to ``wait()`` on."""
+    where ``eligible``; with ``async_op`` returns something to ``wait()`` on: over a group of a
+    power of two ranks the first round is posted at once and the rest run when it is waited on
+    (two ranks: nothing but the addition): posting never waits for a peer. Over a group of
+    another size an async one is gloo's."""
     if not eligible(buf, group):
         return dist.all_reduce(buf, group=group, async_op=async_op)
     ranks, _ = _members(group)
-    me = ranks.index(dist.get_rank())
-    if len(ranks) == 2 and async_op:
-        return _Pending(buf, ranks[1 - me], group)
-    _reduce(buf, ranks, me, group)
-    return _Done() if async_op else None
+    if async_op:
+        if len(ranks) & (len(ranks) - 1):
+            # the fold's first message blocks: an async all-reduce must not (the loss's starts
+            # before the peers can meet it), so such a group's goes to gloo
+            return dist.all_reduce(buf, group=group, async_op=True)
+        return _Pending(buf, ranks, ranks.index(dist.get_rank()), group)
+    _reduce(buf, ranks, ranks.index(dist.get_rank()), group)
+    return None
