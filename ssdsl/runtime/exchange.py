@@ -48,15 +48,17 @@ MAX_BYTES = 4 << 20
 # the tag of every exchange message (gloo tags are 32-bit; the lowering's stay far below)
 TAG = 2**31 - 1
 
-_RANKS: dict = {}  # group -> (its global ranks in group order, gloo?)
+_RANKS: dict = {}  # process group -> (its global ranks in group order, gloo?)
 
 
 def _members(group) -> tuple[tuple[int, ...], bool]:
-    got = _RANKS.get(group)
+    # keyed by the group itself, the default one included: a process that makes its process
+    # group again (another world) finds a new object
+    pg = group if group is not None else dist.group.WORLD
+    got = _RANKS.get(pg)
     if got is None:
-        pg = group if group is not None else dist.group.WORLD
         ranks = tuple(dist.get_process_group_ranks(pg))
-        got = _RANKS[group] = (ranks, "gloo" in str(dist.get_backend(pg)))
+        got = _RANKS[pg] = (ranks, "gloo" in str(dist.get_backend(pg)))
     return got
 
 

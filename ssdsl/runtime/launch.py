@@ -764,6 +764,9 @@ def _start_heartbeat(directory: Path, rank: int, *, period_s: float = _BEAT_S,
 
 
 _OWN_FILES = ("/torch/", "/ssdsl/runtime/launch.py", "/threading.py", "/contextlib.py")
+# ssdsl's own communication code: a main thread in it waits in a collective (the all-reduce by
+# exchanges waits inside torch's ``Work.wait``, a native call that leaves no frame of torch's)
+_COMM_FILES = ("/ssdsl/runtime/comm.py", "/ssdsl/runtime/exchange.py")
 
 
 def _inspect_stack(frame: Any) -> tuple[str | None, str]:
@@ -773,7 +776,7 @@ def _inspect_stack(frame: Any) -> tuple[str | None, str]:
     while frame is not None:
         code = frame.f_code
         name = code.co_filename.replace("\\", "/")
-        if op is None and ("/torch/distributed/" in name or name.endswith("/ssdsl/runtime/comm.py")):
+        if op is None and ("/torch/distributed/" in name or name.endswith(_COMM_FILES)):
             op = code.co_name
         if not where and not any(part in name for part in _OWN_FILES):
             where = f"{Path(name).name}:{frame.f_lineno} in {code.co_name}"
