@@ -21,7 +21,7 @@ from ssdsl.check import (BadStepTail, BadUnitStructure, CollectiveMismatch, Mess
                          RecomputeCommunicates, UndefinedValue, UnmatchedSend, check_programs)
 from ssdsl.elaborate import elaborate_file
 from ssdsl.lower import Program, lower_plan, parse_program, program_text
-from ssdsl.lower.instr import Coll, Comm, LossSum, P2P, RecomputeBegin, RecomputeEnd
+from ssdsl.lower.instr import MAX_TAG, Coll, Comm, LossSum, P2P, RecomputeBegin, RecomputeEnd
 from ssdsl.materialize.program import materialize
 from ssdsl.runtime.job import schedule_plan
 from ssdsl.trace.export import trace
@@ -112,6 +112,20 @@ def change_tag(m, progs):
                      lambda ms: [attrs.evolve(x, tag=x.tag + 1) if x.kind == "recv" else x
                                  for x in ms])
     return _with(progs, 1, (*p.instructions[:i], ins, *p.instructions[i + 1:]))
+
+
+def tag_of_the_runtime(m, progs):
+    """A forward send and its receive both moved to the tag above ``MAX_TAG`` (the all-reduce
+    by exchanges uses it): they would still pair, so only the range check refuses them."""
+    out = list(progs)
+    for r, kind in ((0, "send"), (1, "recv")):
+        p = out[r]
+        i = _find(p, lambda x, k=kind: isinstance(x, Comm) and not x.backward and _msgs(x, k))
+        ins = _edit_msgs(p.instructions[i], kind,
+                         lambda ms, k=kind: [attrs.evolve(x, tag=MAX_TAG + 1)
+                                             if x.kind == k else x for x in ms])
+        out = _with(out, r, (*p.instructions[:i], ins, *p.instructions[i + 1:]))
+    return out
 
 
 def change_received_shape(m, progs):
@@ -260,6 +274,7 @@ MUTATIONS = {
     "drop a forward send": ("pipe", drop_forward_send, ProgramDeadlock),
     "drop a backward receive": ("pipe", drop_backward_receive, UnmatchedSend),
     "change a tag": ("pipe", change_tag, (ProgramDeadlock, UnmatchedSend)),
+    "send under the runtime's tag": ("pipe", tag_of_the_runtime, UnmatchedSend),
     "receive another shape": ("pipe", change_received_shape, MessageMismatch),
     "swap two collectives on one rank": ("tp", swap_collectives, CollectiveMismatch),
     "change a collective's group": ("tp", change_group, CollectiveMismatch),

@@ -47,6 +47,12 @@ class Coll:
         return self.kind in MOVING and len(self.group) > 1
 
 
+# the largest tag a program's message may carry: gloo's tags are 32-bit, and the one above this
+# is the runtime's own (``ssdsl.runtime.exchange``: the all-reduce by pairwise exchanges); the
+# walk (``ssdsl.lower.walk``) refuses a send beyond it, so the checker sees it before a run
+MAX_TAG = 2**31 - 2
+
+
 @attrs.frozen
 class Msg:
     """One message of a point-to-point step: ``send`` of ``region`` from source slot

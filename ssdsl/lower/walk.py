@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from ssdsl.errors import SsdslError
-from ssdsl.lower.instr import Coll, Msg, Program
+from ssdsl.lower.instr import MAX_TAG, Coll, Msg, Program
 from ssdsl.source import Span
 
 
@@ -104,6 +104,11 @@ class Exchange:
     def send(self, rank: int, msg: Msg, ins: Any, payload: Any = None,
              shape: tuple[int, ...] | None = None) -> None:
         """Post a message (never blocks)."""
+        if not 0 <= msg.tag <= MAX_TAG:
+            raise UnmatchedSend(f"rank {rank} sends a message with tag {msg.tag} to rank "
+                                f"{msg.peer}: a program's tags run from 0 to {MAX_TAG} (gloo's "
+                                "are 32-bit, and the next one is the runtime's own)",
+                                span_of(ins), hint=_HINT)
         key = (rank, msg.peer, msg.tag)
         if key in self.mail:
             raise UnmatchedSend(f"rank {rank} sends a second message with tag {msg.tag} to rank "

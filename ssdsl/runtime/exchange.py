@@ -33,7 +33,8 @@ gradients stay identical. It is not gloo's sum to the bit (another order of addi
 
 Only the sum of a contiguous CPU tensor over a gloo group takes this path; NCCL groups, and
 everything else, call torch's collective. The messages use tag ``TAG``, which no program's
-point-to-point message uses (their tags are far smaller: ``ssdsl.lower.build.tag_stride``).
+point-to-point message uses (theirs stay at or below ``ssdsl.lower.instr.MAX_TAG``: the
+checker's walk refuses a send beyond it).
 """
 
 from __future__ import annotations
@@ -41,12 +42,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ssdsl.lower.instr import MAX_TAG
+
 # False: every all-reduce is torch's (benchmarks compare)
 ENABLED = True
 # the most bytes a rank sends in one all-reduce by exchanges (tensor bytes x rounds)
 MAX_BYTES = 4 << 20
-# the tag of every exchange message (gloo tags are 32-bit; the lowering's stay far below)
-TAG = 2**31 - 1
+# the tag of every exchange message: above every program's (``MAX_TAG``, which the checker's
+# walk holds them to; gloo's tags are 32-bit)
+TAG = MAX_TAG + 1
 
 _RANKS: dict = {}  # process group -> (its global ranks in group order, gloo?)
 
