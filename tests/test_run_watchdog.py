@@ -158,6 +158,9 @@ def test_a_rank_asleep_in_get_batch_is_named_with_its_line(tmp_path):
     assert elapsed < BOUND_S, out[-3000:]
     assert proc.returncode not in (0, None), out[-3000:]
     assert "rank 1 failed: never came to the communication" in out, out[-3000:]
+    # rank 0 waits in the gradients' all-reduce (on gloo by exchanges: named as the collective,
+    # not as the exchange's helper it blocks in)
+    assert " s in all_reduce, while rank 1 is" in out, out[-3000:]
     line = MODEL.splitlines().index(next(x for x in MODEL.splitlines() if "3600" in x)) + 1
     assert f"small.py:{line} in get_batch" in out, out[-3000:]
     assert "Traceback" not in out

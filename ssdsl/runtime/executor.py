@@ -882,7 +882,7 @@ class DistRunner(Runner):
             buf = _flatten(grads)
         group = self._bucket_groups[bucket]
         work = exchange.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
-                               async_op=True)
+                                   async_op=True)
         self.started.setdefault(bucket, []).append((k, work, flat, buf))
         self.counts["parts_overlapped"] += 1
 
@@ -930,7 +930,7 @@ class DistRunner(Runner):
         buf = self._my_loss_tensor(torch.float64)
         group = self.loss_plan.group
         work = exchange.all_reduce(buf, group=self.groups.get(group) if self.groups else None,
-                               async_op=True)
+                                   async_op=True)
         self._loss_work = (work, buf)
         self.counts["loss_early"] += 1
 

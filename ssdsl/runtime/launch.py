@@ -777,7 +777,8 @@ def _inspect_stack(frame: Any) -> tuple[str | None, str]:
         code = frame.f_code
         name = code.co_filename.replace("\\", "/")
         if op is None and ("/torch/distributed/" in name or name.endswith(_COMM_FILES)):
-            op = code.co_name
+            # the exchange's helpers (``_swap_add``, ``wait``) are an all-reduce to the user
+            op = "all_reduce" if name.endswith("/exchange.py") else code.co_name
         if not where and not any(part in name for part in _OWN_FILES):
             where = f"{Path(name).name}:{frame.f_lineno} in {code.co_name}"
         frame = frame.f_back
