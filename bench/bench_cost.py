@@ -12,8 +12,10 @@ layers' forward and backward at four widths: ``matmul_curve``), a fused attentio
 halves its time, the share of an all-reduce's time that compute beside it hides
 (``comm_overlap``), memory bandwidth (a large copy), the fixed cost of a small operator (eager, and the ssdsl
 executor's own), and the latency and bandwidth of all-reduce and send/recv, fitted together to
-the alpha-beta model (all-reduce of n bytes over 2 ranks: 2 alpha + n / beta; a message:
-alpha + n / beta). The collectives are timed as a step meets them, each call after a compute
+the alpha-beta model (a message: alpha + n / beta; an all-reduce of n bytes over 2 ranks as the
+runtime runs it: one exchange of messages, alpha + n / beta, up to ``ssdsl.runtime.exchange``'s
+bound, gloo's ring 2 alpha + n / beta beyond; the profile's ``exchange_bytes`` is that bound,
+so ``ssdsl cost`` prices the sums the runtime exchanges as exchanges). The collectives are timed as a step meets them, each call after a compute
 gap on both ranks (what the loop with the call takes beyond the loop without it); back to back,
 as most collective benchmarks time them, gloo's latency is several times lower, and both fits
 are printed. The latency also has a floor from the executor itself: what one all-reduce
@@ -245,8 +247,10 @@ COMM_SIZES = [4, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 def _comm_once(kind: str, buf: torch.Tensor, rank: int) -> None:
     import torch.distributed as dist
-    if kind == "all_reduce":
-        dist.all_reduce(buf)
+
+    from ssdsl.runtime import exchange
+    if kind == "all_reduce":  # as the runtime sums: by exchanges where they run, else gloo's
+        exchange.all_reduce(buf)
     elif rank == 0:
         dist.send(buf, 1)
         dist.recv(buf, 1)
@@ -289,8 +293,10 @@ def comm_overlap(repeats: int, nbytes: int = 4 << 20) -> float:
     before a run of products about as long, waited for after them, against the two one after
     the other (``(compute + all-reduce - both) / all-reduce``, clamped to [0, 1])."""
     import torch.distributed as dist
+
+    from ssdsl.runtime import exchange
     buf = torch.zeros(nbytes // 4)
-    comm = _median_time(lambda: dist.all_reduce(buf), repeats=repeats)
+    comm = _median_time(lambda: exchange.all_reduce(buf), repeats=repeats)
     a = torch.randn(256, 256)
     k = 1
 
@@ -304,7 +310,7 @@ def comm_overlap(repeats: int, nbytes: int = 4 << 20) -> float:
     compute = _median_time(products, repeats=repeats)
 
     def both() -> None:
-        work = dist.all_reduce(buf, async_op=True)
+        work = exchange.all_reduce(buf, async_op=True)
         products()
         work.wait()
 
@@ -343,14 +349,33 @@ def _profile_worker(rank: int, port: int, repeats: int, out: str) -> None:
 LARGE = 256 << 10  # messages from this size on set the bandwidth
 
 
+def _exchanged(kind: str, n: int) -> int:
+    """The rounds of exchanges (``ssdsl.runtime.exchange``) an all-reduce of ``n`` bytes over
+    ``RANKS`` ranks runs as, or 0 where it is gloo's (or no all-reduce)."""
+    from ssdsl.cost.collectives import exchange_rounds
+    from ssdsl.runtime import exchange
+    rounds = exchange_rounds(RANKS)
+    ok = kind == "all_reduce" and exchange.ENABLED and n * rounds <= exchange.MAX_BYTES
+    return rounds if ok else 0
+
+
+def _exchange_alpha(rows: list, beta: float) -> float | None:
+    """The fixed cost of one round of exchanges: over the all-reduce rows that ran as
+    exchanges, the median of (seconds - bytes / beta) per round; None where none did."""
+    per_round = [(t - n / beta) / r for k, n, t in rows if (r := _exchanged(k, n))]
+    return max(statistics.median(per_round), 1e-6) if per_round else None
+
+
 def _alpha_beta(rows: list) -> tuple[float, float]:
-    """Alpha-beta fitted to (kind, bytes, seconds) rows: an all-reduce over 2 ranks costs
-    2 alpha + n / beta, a message alpha + n / beta. Alpha from a relative least-squares fit
+    """Alpha-beta fitted to (kind, bytes, seconds) rows, those that ran as exchanges left out
+    (``_exchange_alpha``): an all-reduce over 2 ranks (gloo's ring) costs 2 alpha + n / beta,
+    a message alpha + n / beta. Alpha from a relative least-squares fit
     over every size (each size weighs alike, so the small ones set it); beta from the large
     messages alone (``LARGE`` bytes and up, plain least squares: the seconds they take), where
     bandwidth, not latency, sets the time: a fit of both over every size gave a bandwidth the
     large messages do not reach (16 MiB all-reduces 40-60% slower than it predicted)."""
     import numpy as np
+    rows = [row for row in rows if not _exchanged(row[0], row[1])]
     a = np.array([[2.0 if k == "all_reduce" else 1.0, n] for k, n, _ in rows])
     t = np.array([s for _, _, s in rows])
     (alpha, inv_beta), *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
@@ -385,6 +410,11 @@ def measure_all(repeats: int) -> dict:
     return slowest
 
 
+def _exchange_bytes() -> int:
+    from ssdsl.runtime import exchange
+    return exchange.MAX_BYTES if exchange.ENABLED else 0
+
+
 def measure(args: argparse.Namespace) -> None:
     r = args.repeats
     m = measure_all(r)
@@ -396,10 +426,16 @@ def measure(args: argparse.Namespace) -> None:
     op, view = per_op, view + per_op - op
     idle_alpha, idle_beta = _alpha_beta(m["idle"])
     gap_alpha, beta = _alpha_beta(m["in_step"])
-    # what an all-reduce instruction of the executor costs inside a step: over 2 ranks,
-    # 2 alpha + n / beta, with n a few hundred bytes here
+    # what an all-reduce instruction of the executor costs inside a step, with n a few hundred
+    # bytes: over 2 ranks two messages' worth (gloo's ring: 2 alpha + n / beta; by exchanges
+    # one round, a send and a receive at once), so half of it is the floor of alpha, and where
+    # exchanges run, all of it the floor of their round's latency
     per_call = executor_collective()
     alpha = max(gap_alpha, per_call / 2)
+    x_alpha = _exchange_alpha(m["in_step"], beta)
+    rounds = _exchanged("all_reduce", 1024)
+    if rounds:
+        x_alpha = max(x_alpha or 0.0, per_call / rounds)
     prof = {"name": "cpu", "peak": {"float32": m["f32"], "float64": m["f64"]}, "memory": 16e9,
             "memory_bw": m["bw"], "intra_bw": beta, "intra_latency": alpha,
             "inter_bw": beta, "inter_latency": alpha, "per_node": 1024,
@@ -409,6 +445,8 @@ def measure(args: argparse.Namespace) -> None:
             # whether it skips a causal mask's half, and its rate, are measured
             "flash_attention": True, "causal_skip": m["attn"][1] < 0.75,
             "comm_overlap": m["overlap"],
+            # the sums the runtime runs by pairwise exchanges, priced as such
+            "exchange_bytes": _exchange_bytes(), "exchange_latency": x_alpha,
             # shares of the float32 peak (float64 products are taken to scale alike)
             "matmul_curve": [[size, rate / m["f32"]] for size, rate in m["step_mm"]],
             "attention_curve": [[n, rate / m["f32"]] for n, rate in m["attn"][0]],
@@ -422,7 +460,8 @@ def measure(args: argparse.Namespace) -> None:
               f"{idle_beta / 1e9:.2f} GB/s; between computing ranks: alpha "
               f"{gap_alpha * 1e6:.1f} us, beta {beta / 1e9:.2f} GB/s; one all-reduce "
               f"instruction in an ssdsl step: {per_call * 1e6:.1f} us; the profile's alpha "
-              f"{alpha * 1e6:.1f} us")
+              f"{alpha * 1e6:.1f} us, a round of exchanges "
+              f"{(x_alpha or alpha) * 1e6:.1f} us")
         for (kind, n, idle), (_, _, in_step) in zip(m["idle"], m["in_step"]):
             print(f"  {kind:10} {n:>9} B  back to back {idle * 1e6:9.1f} us  "
                   f"in a step {in_step * 1e6:9.1f} us")

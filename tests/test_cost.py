@@ -166,6 +166,46 @@ def test_all_reduce_time_is_the_ring_formula(p):
     assert all(math.isclose(t, expect, rel_tol=1e-12) for t in times.values())
 
 
+@pytest.mark.parametrize("p,rounds", [(2, 1), (3, 3), (4, 2), (6, 4), (8, 3)])
+def test_a_small_sum_on_an_exchanging_profile_costs_its_rounds_of_messages(p, rounds):
+    # recursive doubling, worked out by hand: log2 of the largest power of two within p swaps of
+    # the whole tensor, two more messages where p is none (an extra member's tensor in, the sum
+    # back); past the profile's bound (bytes times rounds) the ring formula again
+    alpha, beta, bound = 3e-5, 2e9, 1 << 20
+    prof = DeviceProfile(name="x", peak={"float32": 1.0}, memory=1, memory_bw=1, intra_bw=beta,
+                         intra_latency=alpha, inter_bw=1, inter_latency=1, per_node=8,
+                         exchange_bytes=bound)
+    opts = CostOptions(profile=prof, cluster=Cluster(p, 8))
+    for per_member, exchanged in ((bound // rounds, True), (bound // rounds + 4, False)):
+        step = AllReduce(groups=(tuple(range(p)),),
+                         nbytes=2 * p * (p - 1) * per_member // p)
+        times = step_times(step, 4, opts)
+        ring = 2 * (p - 1) * (alpha + per_member / (p * beta))
+        tree = 2 * math.ceil(math.log2(p)) * (alpha + per_member / beta)
+        expect = rounds * (alpha + per_member / beta) if exchanged else min(ring, tree)
+        assert set(times) == set(range(p))
+        assert all(math.isclose(t, expect, rel_tol=1e-12) for t in times.values()), (per_member,
+                                                                                      times)
+    # a profile without exchanges (the GPUs': NCCL) prices the same small sum as ring or tree
+    step = AllReduce(groups=(tuple(range(p)),), nbytes=2 * (p - 1) * 4096)
+    nccl = CostOptions(profile=attrs.evolve(prof, exchange_bytes=0.0), cluster=Cluster(p, 8))
+    small = step_times(step, 4, nccl)[0]
+    assert math.isclose(small, min(2 * (p - 1) * (alpha + 4096 / (p * beta)),
+                                   2 * math.ceil(math.log2(p)) * (alpha + 4096 / beta)))
+
+
+def test_the_cpu_profiles_exchange_what_the_runtime_exchanges():
+    # the runtime's bound, not a copy that could drift: the default CPU profile and a measured
+    # one price as exchanges exactly the sums ``ssdsl.runtime.exchange`` runs as exchanges
+    from ssdsl.cost.profiles import CPU_DEFAULT, CPU_PROFILE_FILE, cpu_profile
+    from ssdsl.runtime import exchange
+    assert CPU_DEFAULT.exchange_bytes == exchange.MAX_BYTES
+    if CPU_PROFILE_FILE.exists():
+        assert cpu_profile(CPU_PROFILE_FILE).exchange_bytes == exchange.MAX_BYTES
+    for name in ("v100", "a100", "h100"):
+        assert profile(name).exchange_bytes == 0
+
+
 def test_all_gather_across_nodes_uses_the_network_shared_by_the_rings():
     # two groups of 2, each spanning nodes {0, 1} (2 devices per node): each node's network is
     # shared by both rings

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ssdsl.cost.collectives import exchange_rounds
 from ssdsl.runtime import exchange
 from ssdsl.runtime.launch import launch
 
@@ -14,7 +15,7 @@ from ssdsl.runtime.launch import launch
 def test_the_rounds_a_rank_sends_at_most():
     # a power of two: log2(n) swaps; otherwise those of the largest power of two below, and the
     # fold (an extra member's tensor in, the sum back out)
-    assert [exchange._rounds(n) for n in (2, 3, 4, 5, 6, 8, 12)] == [1, 3, 2, 4, 4, 3, 5]
+    assert [exchange_rounds(n) for n in (2, 3, 4, 5, 6, 8, 12)] == [1, 3, 2, 4, 4, 3, 5]
 
 
 def _inputs(rank: int, numel: int, dtype) -> torch.Tensor:

@@ -65,6 +65,11 @@ class DeviceProfile:
     ``attention_efficiency``: the share of peak an attention kernel reaches (``None``: the
     matrix kernels' ``compute_efficiency``); its products are many small ones, one per head, so
     on a CPU it is far below a large matrix product's rate.
+    ``exchange_bytes``: sum all-reduces whose member sends at most this many bytes in all (its
+    tensor's bytes times ``ssdsl.cost.collectives.exchange_rounds``) run as pairwise exchanges,
+    as ``ssdsl.runtime.exchange`` runs them on gloo (0: none; NCCL picks ring or tree);
+    ``exchange_latency`` the fixed cost of one round of them (a send and a receive at once;
+    None: the link's latency).
     ``comm_overlap``: the share of a collective's time that compute running beside it hides
     (gradient buckets reduced during the last backward): GPUs run NCCL beside the kernels
     (an assumption: 1); on a CPU gloo takes the cores the backward runs on (measured).
@@ -91,6 +96,8 @@ class DeviceProfile:
     param_overhead: float = 1e-6  # per parameter tensor and optimizer state in the step
     flash_attention: bool = False
     comm_overlap: float = 1.0
+    exchange_bytes: float = 0.0
+    exchange_latency: float | None = None
     causal_skip: bool | None = None
     attention_efficiency: float | None = None
     matmul_curve: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_points)
@@ -203,6 +210,7 @@ CPU_DEFAULT = DeviceProfile(
     name="cpu", peak={"float32": 50e9, "float64": 25e9}, memory=16 * GB, memory_bw=5 * GB,
     intra_bw=1 * GB, intra_latency=100e-6, inter_bw=0.1 * GB, inter_latency=200e-6,
     per_node=1024, op_overhead=20e-6, view_overhead=5e-6, flash_attention=True, comm_overlap=0.0,
+    exchange_bytes=4 << 20,  # ``ssdsl.runtime.exchange.MAX_BYTES``
     source="default (not measured: run bench/bench_cost.py)")
 
 GPUS = {p.name: p for p in (V100, A100, H100)}

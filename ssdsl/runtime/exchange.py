@@ -42,11 +42,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ssdsl.cost.collectives import exchange_rounds
 from ssdsl.lower.instr import MAX_TAG
 
 # False: every all-reduce is torch's (benchmarks compare)
 ENABLED = True
-# the most bytes a rank sends in one all-reduce by exchanges (tensor bytes x rounds)
+# the most bytes a rank sends in one all-reduce by exchanges (tensor bytes x rounds); the CPU
+# cost profile prices all-reduces as exchanges within the same bound (``exchange_bytes``)
 MAX_BYTES = 4 << 20
 # the tag of every exchange message: above every program's (``MAX_TAG``, which the checker's
 # walk holds them to; gloo's tags are 32-bit)
@@ -66,19 +68,13 @@ def _members(group) -> tuple[tuple[int, ...], bool]:
     return got
 
 
-def _rounds(n: int) -> int:
-    """Messages a rank sends, at most, in one all-reduce over ``n`` ranks."""
-    p = 1 << (n.bit_length() - 1)
-    return (p.bit_length() - 1) + (2 if p != n else 0)
-
-
 def eligible(buf: torch.Tensor, group=None) -> bool:
     """Whether ``all_reduce(buf, group)`` runs by exchanges."""
     if not ENABLED or buf.device.type != "cpu" or not buf.is_contiguous() or buf.numel() == 0:
         return False
     ranks, gloo = _members(group)
     n = len(ranks)
-    return gloo and n > 1 and buf.numel() * buf.element_size() * _rounds(n) <= MAX_BYTES
+    return gloo and n > 1 and buf.numel() * buf.element_size() * exchange_rounds(n) <= MAX_BYTES
 
 
 class _Pending:
