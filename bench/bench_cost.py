@@ -13,15 +13,18 @@ halves its time, the share of an all-reduce's time that compute beside it hides
 (``comm_overlap``), memory bandwidth (a large copy), the fixed cost of a small operator (eager, and the ssdsl
 executor's own), and the latency and bandwidth of all-reduce and send/recv, fitted together to
 the alpha-beta model (a message: alpha + n / beta; an all-reduce of n bytes over 2 ranks as the
-runtime runs it: one exchange of messages, alpha + n / beta, up to ``ssdsl.runtime.exchange``'s
-bound, gloo's ring 2 alpha + n / beta beyond; the profile's ``exchange_bytes`` is that bound,
-so ``ssdsl cost`` prices the sums the runtime exchanges as exchanges). The collectives are timed as a step meets them, each call after a compute
-gap on both ranks (what the loop with the call takes beyond the loop without it); back to back,
-as most collective benchmarks time them, gloo's latency is several times lower, and both fits
-are printed. The latency also has a floor from the executor itself: what one all-reduce
-instruction adds to an ssdsl step (``executor_collective``: a chain of column/row-parallel
-blocks against the same chain under ``dp``, both run with ``ssdsl run --nproc 2``); the
-profile's alpha is the larger of the two. Per quantity the profile keeps the slowest rank's
+runtime runs it: up to ``ssdsl.runtime.exchange``'s bound one round of exchanges, a send and a
+receive at once, alpha_x + n / beta, with its own fixed cost alpha_x (``exchange_latency``);
+gloo's ring, 2 alpha + n / beta, beyond; the profile's ``exchange_bytes`` is that bound, so
+``ssdsl cost`` prices the sums the runtime exchanges as exchanges). The collectives are timed
+as a step meets them, each call after a compute gap on both ranks (what the loop with the call
+takes beyond the loop without it); back to back, as most collective benchmarks time them,
+gloo's latency is several times lower, and both fits are printed. The latency also has a floor
+from the executor itself: what one all-reduce instruction adds to an ssdsl step
+(``executor_collective``: a chain of column/row-parallel blocks against the same chain under
+``dp``, both run with ``ssdsl run --nproc 2``); the profile's alpha is the larger of the fit
+and half that instruction, its alpha_x the larger of its fit and the whole instruction (one
+round). Per quantity the profile keeps the slowest rank's
 figure.
 ``calibrate`` runs ``ssdsl run --json --nproc 2`` for each model and plan and compares the median
 step time (of each run's steps after the first, median over repeats, slowest rank) with
