@@ -81,7 +81,7 @@ def all_reduce_time(p: int, n: float, link: Link, *, algorithm: str = "auto") ->
     if p <= 1 or n <= 0:
         return 0.0
     rounds = exchange_rounds(p)
-    if algorithm in ("auto", "exchange") and 0 < rounds * n <= link.exchange_bytes:
+    if algorithm == "auto" and 0 < rounds * n <= link.exchange_bytes:
         alpha = link.alpha if link.exchange_alpha is None else link.exchange_alpha
         return rounds * (alpha + n / link.beta)
     ring = 2 * (p - 1) * (link.alpha + n / (p * link.beta))
