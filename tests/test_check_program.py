@@ -166,6 +166,17 @@ def change_group(m, progs):
                             *p.instructions[i + 1:]))
 
 
+def collective_outside_its_group(m, progs):
+    """Rank 0 issues a collective of a group that it is not in (the others of its group)."""
+    p = progs[0]
+    i = _find(p, lambda x: isinstance(x, Comm) and _colls(x))
+    ins = p.instructions[i]
+    steps = tuple(attrs.evolve(s, group=tuple(r for r in s.group if r != p.rank))
+                  if isinstance(s, Coll) and s.meets else s for s in ins.steps)
+    return _with(progs, 0, (*p.instructions[:i], attrs.evolve(ins, steps=steps),
+                            *p.instructions[i + 1:]))
+
+
 def drop_collective(m, progs):
     p = progs[1]
     i = _find(p, lambda x: isinstance(x, Comm) and not x.backward and _colls(x))
@@ -278,6 +289,8 @@ MUTATIONS = {
     "receive another shape": ("pipe", change_received_shape, MessageMismatch),
     "swap two collectives on one rank": ("tp", swap_collectives, CollectiveMismatch),
     "change a collective's group": ("tp", change_group, CollectiveMismatch),
+    "issue a collective outside its group": ("tp", collective_outside_its_group,
+                                             CollectiveMismatch),
     "drop a collective on one rank": ("tp", drop_collective, (ProgramDeadlock,
                                                               CollectiveMismatch)),
     "move a unit before its data": ("pipe", backward_before_forward, BadUnitStructure),
@@ -315,3 +328,66 @@ def test_mutation_is_refused_at_a_plan_line(pipe, tp, dp, name):
     assert span is not None and span.file.endswith(".ssp") and span.line >= 1, name
     # the mutated text reads back to the same (still refused) programs
     assert tuple(parse_program(program_text(p)) for p in bad) == tuple(bad)
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_checked_in_forked_processes_the_same_fault_is_refused(pipe, tp, dp, name,
+                                                               monkeypatch):
+    """Large plans check each program in forked processes while the parent walks their
+    communication: the fault raised is the one the checks in one process raise (the oracle:
+    the same checker run sequentially)."""
+    import ssdsl.check.program as checker
+
+    which, mutate, _ = MUTATIONS[name]
+    m, progs = {"pipe": pipe, "tp": tp, "dp": dp}[which]
+    bad = mutate(m, progs)
+    with pytest.raises(ProgramError) as alone:
+        check_programs(bad, m=m, jobs=1)
+    monkeypatch.setattr(checker, "FORK_INSTRUCTIONS", 0)
+    with pytest.raises(ProgramError) as forked:
+        check_programs(bad, m=m, jobs=2)
+    assert type(forked.value) is type(alone.value), name
+    assert (forked.value.message, forked.value.span, forked.value.hint) == \
+        (alone.value.message, alone.value.span, alone.value.hint), name
+    check_programs(progs, m=m, jobs=2)  # and the programs as lowered pass there too
+
+
+def test_reads_and_writes_by_class_agree_with_the_instruction_rules(pipe, tp, dp):
+    """``reads``/``writes`` look an instruction's rule up by its class; the rules written out
+    by field here (from the instruction set's definitions) are the oracle."""
+    from ssdsl.lower import instr as I
+
+    def want_reads(x):
+        if isinstance(x, I.Call):
+            return tuple(v for v in x.ins if v is not None)
+        if isinstance(x, I.LocalAdapter) or (isinstance(x, I.Comm) and not x.backward):
+            return tuple(x.ins)
+        if isinstance(x, I.Cut):
+            return (x.src,)
+        if isinstance(x, (I.Backward, I.BackwardInput, I.BackwardWeight)):
+            extra = (tuple(x.inputs) + tuple(leaf for leaf, _ in x.collect) + tuple(x.keep)
+                     if isinstance(x, I.BackwardInput) else
+                     tuple(v for outs, cuts in x.mixes for v in (*outs, *(c for cut in cuts
+                                                                          for c in cut)))
+                     + tuple(x.inputs) if isinstance(x, I.BackwardWeight) else
+                     tuple(leaf for leaf, _ in x.collect))
+            return tuple(x.seeds) + tuple(x.roots) + extra
+        if isinstance(x, I.RecomputeBegin):
+            return tuple(x.ins)
+        return ()
+
+    def want_writes(x):
+        if isinstance(x, (I.TakeInput, I.TakeParam, I.TakeBuffer, I.Cut)):
+            return (x.out,)
+        if isinstance(x, (I.Call, I.LocalAdapter)) or (isinstance(x, I.Comm) and not x.backward):
+            return tuple(x.outs)
+        return ()
+
+    kinds = set()
+    for _, progs in (pipe, tp, dp):
+        for p in progs:
+            for x in p.instructions:
+                kinds.add(x.kind)
+                assert tuple(I.reads(x)) == want_reads(x), x
+                assert tuple(I.writes(x)) == want_writes(x), x
+    assert {"call", "comm", "cut", "backward", "param", "input"} <= kinds

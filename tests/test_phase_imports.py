@@ -18,8 +18,8 @@ PKG = Path(__file__).resolve().parent.parent / "ssdsl"
 # import only base modules.
 PHASES = ["parse", "elaborate", "trace", "transform", "schedule", "materialize", "lower", "cost",
           "check", "codegen", "runtime", "api", "cli"]
-BASE = {"source", "errors", "resources", "schema", "gcpause", "ir", "ops", "__init__", "__main__",
-        ""}
+BASE = {"source", "errors", "resources", "schema", "gcpause", "forking", "ir", "ops", "__init__",
+        "__main__", ""}
 
 
 def _top(name: str) -> str | None:

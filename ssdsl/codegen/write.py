@@ -9,8 +9,8 @@ code is refused as a whole. Generated ``rank*.py`` and ``rank*.program`` files t
 
 from __future__ import annotations
 
+import functools
 import os
-import pickle
 import re
 import tempfile
 from collections.abc import Callable, Mapping
@@ -19,6 +19,7 @@ from typing import Any
 
 from ssdsl.codegen.emit import GENERATED_MARK
 from ssdsl.errors import SsdslError
+from ssdsl.forking import Forked, can_fork, usable_cores
 
 
 class NotGenerated(SsdslError):
@@ -36,10 +37,7 @@ def is_generated(path: Path) -> bool:
 
 def default_jobs() -> int:
     """How many processes write generated files: the cores this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # no sched_getaffinity (macOS)
-        return max(1, os.cpu_count() or 1)
+    return usable_cores()
 
 
 def write_programs(folder: str | Path, texts: Mapping[str, str | Callable[[], str]], *,
@@ -68,7 +66,7 @@ def write_programs(folder: str | Path, texts: Mapping[str, str | Callable[[], st
         raise NotGenerated(f"{out} holds files that ssdsl did not generate: {names}",
                            hint="choose an empty folder, or move those files away")
     items = sorted(texts.items())
-    if jobs > 1 and hasattr(os, "fork") and len(items) >= 2 * jobs:
+    if jobs > 1 and can_fork() and len(items) >= 2 * jobs:
         written = _write_forked(out, items, jobs, order)
     else:
         written = [_atomic_write(out / name, text() if callable(text) else text)
@@ -82,42 +80,17 @@ def write_programs(folder: str | Path, texts: Mapping[str, str | Callable[[], st
 
 def _write_forked(out: Path, items: list, jobs: int, order: Callable[[str], Any] | None = None
                   ) -> list[Path]:
-    """Each of ``jobs`` forked children writes its share of ``items``; a child that fails sends its
-    exception back through a pipe (pickled, or its text when it does not pickle)."""
+    """Each of ``jobs`` forked children writes its share of ``items``; a child's failure is
+    raised here (``ssdsl.forking``)."""
     shares = _shares(items, jobs, order)
-    children = []
-    for k in range(jobs):
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: write its share, report, and leave without cleanup
-            os.close(read)
-            code = 0
-            try:
-                for name, text in shares[k]:
-                    _atomic_write(out / name, text() if callable(text) else text)
-            except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
-                code = 1
-                text = f"{type(exc).__name__}: {exc}"
-                try:
-                    data = pickle.dumps((text, pickle.dumps(exc)))
-                except Exception:  # noqa: BLE001 - not picklable: its text
-                    data = pickle.dumps((text, None))
-                with os.fdopen(write, "wb") as f:
-                    f.write(data)
-            os._exit(code)
-        os.close(write)
-        children.append((pid, read))
-    failure = None
-    for pid, read in children:
-        with os.fdopen(read, "rb") as f:
-            data = f.read()
-        _, status = os.waitpid(pid, 0)
-        if failure is None and (data or status != 0):
-            failure = _unpickled(data) if data else RuntimeError(
-                f"a process writing generated files ended with status {status}")
-    if failure is not None:
-        raise failure
+    Forked([functools.partial(_write_share, out, share) for share in shares],
+           what="writing generated files").results()
     return [out / name for name, _ in items]
+
+
+def _write_share(out: Path, share: list) -> None:
+    for name, text in share:
+        _atomic_write(out / name, text() if callable(text) else text)
 
 
 def _shares(items: list, jobs: int, order: Callable[[str], Any] | None = None) -> list[list]:
@@ -135,14 +108,6 @@ def _natural(stem: str) -> tuple:
     head = stem.rstrip("0123456789")
     tail = stem[len(head):]
     return (head, int(tail) if tail else -1)
-
-
-def _unpickled(data: bytes) -> BaseException:
-    text, exc = pickle.loads(data)
-    try:
-        return pickle.loads(exc) if exc is not None else RuntimeError(text)
-    except Exception:  # noqa: BLE001 - an exception whose constructor does not take its args
-        return RuntimeError(text)
 
 
 def _atomic_write(path: Path, text: str) -> Path:

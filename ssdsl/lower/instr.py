@@ -417,21 +417,21 @@ BY_KIND: dict[str, type] = {c.kind: c for c in INSTRUCTIONS}
 
 def reads(ins: Any) -> tuple[str, ...]:
     """The values ``ins`` reads (for the checker and for recompute segments)."""
+    rule = _READS.get(type(ins))
+    if rule is not None:  # an instruction class: its own rule, without the chain below
+        return rule(ins)
     if isinstance(ins, Call):
-        return tuple(x for x in ins.ins if x is not None)
+        return _call_reads(ins)
     if isinstance(ins, (LocalAdapter, Comm)) and not getattr(ins, "backward", False):
         return ins.ins
     if isinstance(ins, Cut):
         return (ins.src,)
     if isinstance(ins, Backward):
-        return ins.seeds + ins.roots + tuple(leaf for leaf, _ in ins.collect)
+        return _backward_reads(ins)
     if isinstance(ins, BackwardInput):
-        return (ins.seeds + ins.roots + ins.inputs + tuple(leaf for leaf, _ in ins.collect)
-                + ins.keep)
+        return _backward_input_reads(ins)
     if isinstance(ins, BackwardWeight):
-        return ins.seeds + ins.roots + tuple(v for outs, cuts in ins.mixes
-                                             for v in (*outs, *(x for c in cuts for x in c))
-                                             ) + ins.inputs
+        return _backward_weight_reads(ins)
     if isinstance(ins, RecomputeBegin):
         return ins.ins
     return ()
@@ -439,6 +439,9 @@ def reads(ins: Any) -> tuple[str, ...]:
 
 def writes(ins: Any) -> tuple[str, ...]:
     """The values ``ins`` defines."""
+    rule = _WRITES.get(type(ins))
+    if rule is not None:
+        return rule(ins)
     if isinstance(ins, (TakeInput, TakeParam, TakeBuffer, Cut)):
         return (ins.out,)
     if isinstance(ins, (Call, LocalAdapter)):
@@ -446,6 +449,55 @@ def writes(ins: Any) -> tuple[str, ...]:
     if isinstance(ins, Comm) and not ins.backward:
         return ins.outs
     return ()
+
+
+def _call_reads(ins: Call) -> tuple[str, ...]:
+    return ins.ins if None not in ins.ins else tuple(x for x in ins.ins if x is not None)
+
+
+def _backward_reads(ins: Backward) -> tuple[str, ...]:
+    return ins.seeds + ins.roots + tuple(leaf for leaf, _ in ins.collect)
+
+
+def _backward_input_reads(ins: BackwardInput) -> tuple[str, ...]:
+    return (ins.seeds + ins.roots + ins.inputs + tuple(leaf for leaf, _ in ins.collect)
+            + ins.keep)
+
+
+def _backward_weight_reads(ins: BackwardWeight) -> tuple[str, ...]:
+    return ins.seeds + ins.roots + tuple(v for outs, cuts in ins.mixes
+                                         for v in (*outs, *(x for c in cuts for x in c))
+                                         ) + ins.inputs
+
+
+def _nothing(ins: Any) -> tuple[str, ...]:
+    return ()
+
+
+# ``reads`` and ``writes`` by exact class (the ``isinstance`` chains are what a subclass gets)
+_READS: dict[type, Any] = {
+    Call: _call_reads,
+    LocalAdapter: lambda ins: ins.ins,
+    Comm: lambda ins: () if ins.backward else ins.ins,
+    Cut: lambda ins: (ins.src,),
+    Backward: _backward_reads,
+    BackwardInput: _backward_input_reads,
+    BackwardWeight: _backward_weight_reads,
+    RecomputeBegin: lambda ins: ins.ins,
+    **{c: _nothing for c in (Begin, End, TakeInput, TakeParam, TakeBuffer, RecomputeEnd, Free,
+                             WaitSends, ReduceBucket, LossSum, OptimizerStep, GatherBucket,
+                             GatherParams, WaitParams, FreeParams)},
+}
+_WRITES: dict[type, Any] = {
+    **{c: (lambda ins: (ins.out,)) for c in (TakeInput, TakeParam, TakeBuffer, Cut)},
+    Call: lambda ins: ins.outs,
+    LocalAdapter: lambda ins: ins.outs,
+    Comm: lambda ins: () if ins.backward else ins.outs,
+    **{c: _nothing for c in (Begin, End, Backward, BackwardInput, BackwardWeight,
+                             RecomputeBegin, RecomputeEnd, Free, WaitSends, ReduceBucket,
+                             LossSum, OptimizerStep, GatherBucket, GatherParams, WaitParams,
+                             FreeParams)},
+}
 
 
 @attrs.frozen

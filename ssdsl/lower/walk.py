@@ -178,27 +178,50 @@ def span_of(ins: Any) -> Span | None:
 
 
 def run_all(walks: Mapping[int, Iterator[Wait]], exchange: Exchange) -> None:
-    """Run every rank's walk to its end in this process, completing waits as ranks meet."""
+    """Run every rank's walk to its end in this process, completing waits as ranks meet.
+
+    A collective is tried once every member of its group waits at one of that group (counted
+    as the waits arrive), so a rank waiting for a group of all the world's ranks is not checked
+    against the whole group again on every turn (that made the checker quadratic in the
+    world)."""
     pending: dict[int, Wait] = {}
     live = dict(walks)
+    at: dict[tuple[int, ...], int] = {}  # group -> its members pending at a collective of it
+    members: dict[tuple[int, ...], frozenset[int]] = {}
     while live:
         moved = False
         for rank in list(live):
             if rank in pending:
                 continue
             try:
-                pending[rank] = next(live[rank])
+                w = pending[rank] = next(live[rank])
             except StopIteration:
                 del live[rank]
+            else:
+                if isinstance(w.what, Coll):
+                    group = w.what.group
+                    mine = members.get(group)
+                    if mine is None:
+                        mine = members[group] = frozenset(group)
+                    if rank not in mine:
+                        exchange.try_collective(w, pending)  # raises: not in its group
+                    at[group] = at.get(group, 0) + 1
             moved = True
         for rank in list(pending):
             w = pending.get(rank)
             if w is None:
                 continue
-            done = ([w] if exchange.try_recv(w) else []) if isinstance(w.what, Msg) \
-                else exchange.try_collective(w, pending)
+            what = w.what
+            if isinstance(what, Msg):
+                done = [w] if exchange.try_recv(w) else []
+            elif at[what.group] < len(members[what.group]):
+                continue  # a member is not there yet
+            else:
+                done = exchange.try_collective(w, pending)
             for d in done:
                 del pending[d.rank]
+                if isinstance(d.what, Coll):
+                    at[d.what.group] -= 1
                 moved = True
         if not moved:
             _deadlock(pending)
