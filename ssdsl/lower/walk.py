@@ -18,6 +18,7 @@ instruction's plan line); a send nobody receives is ``UnmatchedSend``.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -100,6 +101,7 @@ class Exchange:
     def __init__(self, combine: Combine | None = None) -> None:
         self.mail: dict[tuple[int, int, int], _Sent] = {}
         self.combine = combine
+        self.fresh: list[tuple[int, int, int]] = []  # keys posted since ``run_all`` looked
 
     def send(self, rank: int, msg: Msg, ins: Any, payload: Any = None,
              shape: tuple[int, ...] | None = None) -> None:
@@ -115,6 +117,7 @@ class Exchange:
                                 f"{msg.peer} before the first was received", span_of(ins),
                                 hint=_HINT)
         self.mail[key] = _Sent(rank, msg, ins, payload, shape)
+        self.fresh.append(key)
 
     def try_recv(self, w: Wait) -> bool:
         key = (w.what.peer, w.rank, w.what.tag)
@@ -180,51 +183,58 @@ def span_of(ins: Any) -> Span | None:
 def run_all(walks: Mapping[int, Iterator[Wait]], exchange: Exchange) -> None:
     """Run every rank's walk to its end in this process, completing waits as ranks meet.
 
-    A collective is tried once every member of its group waits at one of that group (counted
-    as the waits arrive), so a rank waiting for a group of all the world's ranks is not checked
-    against the whole group again on every turn (that made the checker quadratic in the
-    world)."""
-    pending: dict[int, Wait] = {}
+    Event-driven, so the work is linear in the waits: a rank is advanced when it starts or its
+    wait completed; a receive is tried when it is reached and again when its message is posted;
+    a collective once every member of its group waits at one of that group (counted as the
+    waits arrive: a loss sum over all 1,024 ranks is not checked against the whole group on each
+    turn). Sends never block and a message is matched by its (source, destination, tag), so the
+    ranks end where they would in any order of turns; when none can move while some have not
+    finished, they deadlock."""
     live = dict(walks)
+    pending: dict[int, Wait] = {}
+    waiting: dict[tuple[int, int, int], int] = {}  # a message's key -> the rank that awaits it
     at: dict[tuple[int, ...], int] = {}  # group -> its members pending at a collective of it
     members: dict[tuple[int, ...], frozenset[int]] = {}
-    while live:
-        moved = False
-        for rank in list(live):
-            if rank in pending:
-                continue
-            try:
-                w = pending[rank] = next(live[rank])
-            except StopIteration:
-                del live[rank]
-            else:
-                if isinstance(w.what, Coll):
-                    group = w.what.group
-                    mine = members.get(group)
-                    if mine is None:
-                        mine = members[group] = frozenset(group)
-                    if rank not in mine:
-                        exchange.try_collective(w, pending)  # raises: not in its group
-                    at[group] = at.get(group, 0) + 1
-            moved = True
-        for rank in list(pending):
-            w = pending.get(rank)
-            if w is None:
-                continue
+    ready = deque(sorted(live))
+    exchange.fresh.clear()
+    while ready:
+        rank = ready.popleft()
+        try:
+            w = next(live[rank])
+        except StopIteration:
+            del live[rank]
+            w = None
+        if w is not None:
             what = w.what
             if isinstance(what, Msg):
-                done = [w] if exchange.try_recv(w) else []
-            elif at[what.group] < len(members[what.group]):
-                continue  # a member is not there yet
+                if exchange.try_recv(w):
+                    ready.append(rank)
+                else:
+                    pending[rank] = w
+                    waiting[(what.peer, rank, what.tag)] = rank
             else:
-                done = exchange.try_collective(w, pending)
-            for d in done:
-                del pending[d.rank]
-                if isinstance(d.what, Coll):
-                    at[d.what.group] -= 1
-                moved = True
-        if not moved:
-            _deadlock(pending)
+                group = what.group
+                mine = members.get(group)
+                if mine is None:
+                    mine = members[group] = frozenset(group)
+                if rank not in mine:
+                    exchange.try_collective(w, pending)  # raises: not in its group
+                pending[rank] = w
+                at[group] = at.get(group, 0) + 1
+                if at[group] == len(mine):
+                    for d in exchange.try_collective(w, pending):
+                        del pending[d.rank]
+                        at[group] -= 1
+                        ready.append(d.rank)
+        if exchange.fresh:  # messages the rank sent on its way: their receivers may go on
+            fresh, exchange.fresh = exchange.fresh, []
+            for key in fresh:
+                r = waiting.pop(key, None)
+                if r is not None and exchange.try_recv(pending[r]):
+                    del pending[r]
+                    ready.append(r)
+    if live:
+        _deadlock(pending)
     exchange.leftover()
 
 
