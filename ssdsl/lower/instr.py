@@ -417,38 +417,22 @@ BY_KIND: dict[str, type] = {c.kind: c for c in INSTRUCTIONS}
 
 def reads(ins: Any) -> tuple[str, ...]:
     """The values ``ins`` reads (for the checker and for recompute segments)."""
-    rule = _READS.get(type(ins))
-    if rule is not None:  # an instruction class: its own rule, without the chain below
-        return rule(ins)
-    if isinstance(ins, Call):
-        return _call_reads(ins)
-    if isinstance(ins, (LocalAdapter, Comm)) and not getattr(ins, "backward", False):
-        return ins.ins
-    if isinstance(ins, Cut):
-        return (ins.src,)
-    if isinstance(ins, Backward):
-        return _backward_reads(ins)
-    if isinstance(ins, BackwardInput):
-        return _backward_input_reads(ins)
-    if isinstance(ins, BackwardWeight):
-        return _backward_weight_reads(ins)
-    if isinstance(ins, RecomputeBegin):
-        return ins.ins
-    return ()
+    return _rule(_READS, ins)(ins)
 
 
 def writes(ins: Any) -> tuple[str, ...]:
     """The values ``ins`` defines."""
-    rule = _WRITES.get(type(ins))
-    if rule is not None:
-        return rule(ins)
-    if isinstance(ins, (TakeInput, TakeParam, TakeBuffer, Cut)):
-        return (ins.out,)
-    if isinstance(ins, (Call, LocalAdapter)):
-        return ins.outs
-    if isinstance(ins, Comm) and not ins.backward:
-        return ins.outs
-    return ()
+    return _rule(_WRITES, ins)(ins)
+
+
+def _rule(rules: dict[type, Any], ins: Any) -> Any:
+    """The rule of ``ins``'s class in ``rules``, or of its nearest base class there (a class
+    of none: no values)."""
+    rule = rules.get(type(ins))
+    if rule is None:
+        rule = next((rules[c] for c in type(ins).__mro__ if c in rules), _nothing)
+        rules[type(ins)] = rule
+    return rule
 
 
 def _call_reads(ins: Call) -> tuple[str, ...]:
@@ -474,7 +458,7 @@ def _nothing(ins: Any) -> tuple[str, ...]:
     return ()
 
 
-# ``reads`` and ``writes`` by exact class (the ``isinstance`` chains are what a subclass gets)
+# ``reads`` and ``writes`` by class (``_rule``)
 _READS: dict[type, Any] = {
     Call: _call_reads,
     LocalAdapter: lambda ins: ins.ins,

@@ -192,7 +192,7 @@ def run_all(walks: Mapping[int, Iterator[Wait]], exchange: Exchange) -> None:
     finished, they deadlock."""
     live = dict(walks)
     pending: dict[int, Wait] = {}
-    waiting: dict[tuple[int, int, int], int] = {}  # a message's key -> the rank that awaits it
+    waiting: set[tuple[int, int, int]] = set()  # keys of awaited messages (the rank: key[1])
     at: dict[tuple[int, ...], int] = {}  # group -> its members pending at a collective of it
     members: dict[tuple[int, ...], frozenset[int]] = {}
     ready = deque(sorted(live))
@@ -211,7 +211,7 @@ def run_all(walks: Mapping[int, Iterator[Wait]], exchange: Exchange) -> None:
                     ready.append(rank)
                 else:
                     pending[rank] = w
-                    waiting[(what.peer, rank, what.tag)] = rank
+                    waiting.add((what.peer, rank, what.tag))
             else:
                 group = what.group
                 mine = members.get(group)
@@ -229,10 +229,12 @@ def run_all(walks: Mapping[int, Iterator[Wait]], exchange: Exchange) -> None:
         if exchange.fresh:  # messages the rank sent on its way: their receivers may go on
             fresh, exchange.fresh = exchange.fresh, []
             for key in fresh:
-                r = waiting.pop(key, None)
-                if r is not None and exchange.try_recv(pending[r]):
-                    del pending[r]
-                    ready.append(r)
+                if key in waiting:
+                    waiting.discard(key)
+                    r = key[1]  # its destination
+                    if exchange.try_recv(pending[r]):
+                        del pending[r]
+                        ready.append(r)
     if live:
         _deadlock(pending)
     exchange.leftover()
