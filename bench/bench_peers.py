@@ -237,6 +237,9 @@ LEVERS = {
     "send_first": ("ssdsl.lower.build", "SEND_FIRST", False),
     # that last backward walked twice (input gradients, then whole) instead of split in halves
     "split_last": ("ssdsl.lower.build", "SPLIT_LAST", False),
+    # a layer norm's weight-cut gradients from the input half's kernel (off: the weight half
+    # computes its statistics again; read when a program is first walked)
+    "early_cut": ("ssdsl.runtime.wgrad", "EARLY", False),
     "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
     "early_loss": ("ssdsl.runtime.early_loss", "ENABLED", False),
     "sender": ("ssdsl.runtime.sender", "ENABLED", False),

@@ -140,22 +140,28 @@ def test_what_no_rule_covers_is_left_to_autograd():
     assert rule(env, {"y": _r(3, 4), "m": _r(3, 1)}) is None
 
 
-@pytest.mark.parametrize("enabled", [True, False], ids=["rules", "autograd"])
+@pytest.mark.parametrize("enabled, early", [(True, True), (True, False), (False, True)],
+                         ids=["rules", "rules-norms-in-weight-half", "autograd"])
 def test_split_backward_trains_like_the_plain_model_with_the_rules_on_and_off(
-        tmp_path, monkeypatch, enabled):
+        tmp_path, monkeypatch, enabled, early):
     """Three stages on one device, every weight half after every input half: two steps against
     the plain model (``run_reference``, float64); with the rules on, every mixing call of the
-    example GPT (linears, layer norms) takes one, with them off none does."""
+    example GPT (linears, layer norms) takes one, with them off none does. With ``EARLY``, the
+    layer norms' cut gradients come from the input half (and only theirs)."""
     from tests.test_pipeline_inprocess import _check_two_steps, _program
     from tests.test_split_backward import GPT, THREE_STAGES
 
     monkeypatch.setattr(wgrad, "ENABLED", enabled)
+    monkeypatch.setattr(wgrad, "EARLY", early)
     prog, mf = _program(tmp_path, THREE_STAGES, GPT)
-    mixes = sum(len(x.mixes) for x in prog.program.instructions
-                if isinstance(x, BackwardWeight))
-    assert mixes
+    ins = prog.program.instructions
+    writer = {o: x for x in ins if isinstance(x, Call) for o in x.outs}
+    mixes = [outs for x in ins if isinstance(x, BackwardWeight) for outs, _ in x.mixes]
+    norms = [o for o in mixes if writer[o[0]].call.target == "aten.layer_norm.default"]
+    assert mixes and norms and len(norms) < len(mixes)
     _check_two_steps(prog, mf)
-    assert prog.runner.closed_form == (2 * mixes if enabled else 0)
+    assert prog.runner.closed_form == (2 * len(mixes) if enabled else 0)
+    assert prog.runner.from_input_half == (2 * len(norms) if enabled and early else 0)
 
 
 GPT = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "gpt.py")

@@ -50,6 +50,16 @@ from ssdsl.runtime import sender as sending
 from ssdsl.runtime import straight as straight_code
 from ssdsl.runtime import wgrad
 from ssdsl.runtime.reference import to_dtype
+
+try:  # the engine as ``torch.autograd.backward`` calls it, after its checks of the gradients
+    from torch.autograd.graph import _engine_run_backward
+
+    def _run_backward(tensors: list, grads: list) -> None:
+        _engine_run_backward(tuple(tensors), tuple(grads), False, False, (),
+                             allow_unreachable=True, accumulate_grad=True)
+except ImportError:  # another torch: the public call
+    def _run_backward(tensors: list, grads: list) -> None:
+        torch.autograd.backward(tensors, grads)
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
 from ssdsl.runtime.zero import ZeroShard, model_state_bytes, optimizer_params, zero_shards
 from ssdsl.trace.model_file import ModelFile, ModelFileContract
@@ -212,6 +222,7 @@ class Runner(Handler):
         self.env: dict[str, Any] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self.kept: dict[str, torch.Tensor] = {}  # output gradients an I unit keeps for its W
+        self.cut_grads: dict[str, torch.Tensor] = {}  # weight cuts' gradients an I unit made
         # the gradient edges of kept outputs dropped from ``env`` at their I unit (liveness)
         self.edges: dict[str, Any] = {}
         self.batch: tuple[torch.Tensor, ...] = ()
@@ -238,6 +249,7 @@ class Runner(Handler):
         self._wrules: dict[int, tuple[Any, tuple]] = {}
         self._wrules_of: dict[int, tuple[Program, dict]] = {}
         self.closed_form = 0  # mixing calls whose weight gradient a rule gave (for tests)
+        self.from_input_half = 0  # of those, the ones the input half gave (``wgrad.EARLY``)
         # the state and its leaves that ``on_step`` makes sure have a gradient
         self._stepped: tuple[RankState, list[torch.Tensor]] | None = None
 
@@ -245,7 +257,7 @@ class Runner(Handler):
         """A new step on the whole batch ``(*inputs, target)``."""
         self.batch = tuple(batch)
         self.env, self.grads, self.losses, self.loss_total = {}, {}, [], None
-        self.kept, self.edges = {}, {}
+        self.kept, self.edges, self.cut_grads = {}, {}, {}
         # the optimizer clears the gradients of what it steps; the weights of a sharded bucket
         # are not among them (stage 1 keeps their whole gradient until here)
         for shard in self.zero.values():
@@ -387,7 +399,7 @@ class Runner(Handler):
         self.env[ins.out] = src.detach().requires_grad_(src.requires_grad)
 
     def on_free(self, ins) -> None:
-        for table in (self.env, self.grads, self.kept, self.edges):
+        for table in (self.env, self.grads, self.kept, self.edges, self.cut_grads):
             if table:
                 pop = table.pop
                 for v in ins.values:
@@ -559,12 +571,15 @@ class Runner(Handler):
 
     def on_backward_input(self, ins) -> None:
         """Gradients of the received leaves only; the kept outputs' gradients come along (they
-        lie on the way), the weight cuts' do not (nobody asks for them), and the graph stays for
-        the weight half."""
+        lie on the way), the weight cuts' do not (nobody asks for them) but those of the calls
+        whose weight gradient the input half's own kernels give (``wgrad.EARLY``: layer norms),
+        and the graph stays for the weight half."""
         if self._dead:
             self._drop_dead(ins)
         env = self.env
-        names = [v for v in (*ins.inputs, *ins.keep) if v in env and env[v].requires_grad]
+        early = self._wrules.get(id(ins))
+        early = early[1] if early is not None and early[0] is ins else ()
+        names = [v for v in (*ins.inputs, *ins.keep, *early) if v in env and env[v].requires_grad]
         places = [env[v] for v in names]
         if self._edged:  # kept outputs nothing reads again but as graph places (liveness)
             held = self._edged.get(id(ins))
@@ -582,10 +597,13 @@ class Runner(Handler):
             got = torch.autograd.grad(tensors, places, grads, retain_graph=True,
                                       allow_unused=True)
             keep = set(ins.keep)
+            cut_grads = self.cut_grads
             for v, g in zip(names, got):
                 if g is None:
                     continue
-                if v in keep:
+                if early and v in early:
+                    cut_grads[v] = g
+                elif v in keep:
                     have = self.kept.get(v)
                     self.kept[v] = g if have is None else have + g
                 else:
@@ -601,8 +619,20 @@ class Runner(Handler):
         env, kept = self.env, self.kept
         ruled = self._wrules.get(id(ins))
         rules = ruled[1] if ruled is not None and ruled[0] is ins else ()
+        cut_grads = self.cut_grads
         for k, (outs, cuts) in enumerate(ins.mixes):
             rule = rules[k] if rules else None
+            if cut_grads and cuts[0][0] in cut_grads:  # from the input half (``wgrad.EARLY``)
+                for o in outs:
+                    kept.pop(o, None)
+                for cut, src in cuts:
+                    g = cut_grads.pop(cut, None)
+                    if g is not None:
+                        tensors.append(env[src])
+                        grads.append(g)
+                self.closed_form += 1
+                self.from_input_half += 1
+                continue
             if rule is not None:
                 made = rule(env, kept)
                 if made is not None:  # the cuts' gradients in closed form (``runtime.wgrad``)
@@ -626,7 +656,9 @@ class Runner(Handler):
                     tensors.append(env[src])
                     grads.append(g)
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            # each gradient has its tensor's shape and dtype (a cut is its source detached):
+            # the engine without ``autograd.backward``'s per-tensor checks
+            _run_backward(tensors, grads)
 
     # -- recompute ------------------------------------------------------------------------------
     def on_recompute(self, ins) -> None:

@@ -24,6 +24,11 @@ the two products below, and a stage of two blocks makes 12 such calls per micro-
   (times the activation for ``mul``) summed to the weight's shape, as autograd's broadcasting
   backward does.
 
+A ``layer_norm`` call keeps no statistics, so its rule would compute them again and call the
+backward kernel a second time: with ``EARLY``, its cuts are asked of autograd in the input half
+instead (``rules_of`` lists them under the ``BackwardInput`` that keeps the call's output), where
+one kernel call gives the input's gradient and theirs; the weight half only hands them on.
+
 Anything else (another operator, a cut activation, mixed dtypes, a gradient for a second output,
 shapes that do not match) goes to autograd as before, per call. The formulas read the calls'
 activation inputs, which ``BackwardWeight.reads`` lists for the checker. ``ENABLED = False``
@@ -37,11 +42,15 @@ from typing import Any
 
 import torch
 
-from ssdsl.lower.instr import BackwardWeight, Call, Program
+from ssdsl.lower.instr import BackwardInput, BackwardWeight, Call, Program
 from ssdsl.ops.core import Slot
 
 # False: every mixing call's weight gradient through autograd (benchmarks compare)
 ENABLED = True
+# True: a layer norm's weight cuts get their gradients in the input half, from the backward
+# kernel that computes the input's (one call; the weight half would compute the statistics
+# again and call it a second time). False: in the weight half, by the rule (benchmarks compare)
+EARLY = True
 
 # (env, kept) -> [(cut, gradient)], or None: ask autograd
 Rule = Callable[[dict, dict], "list[tuple[str, torch.Tensor]] | None"]
@@ -50,16 +59,31 @@ _aten = torch.ops.aten
 
 
 def rules_of(program: Program) -> dict[int, tuple[Any, tuple[Rule | None, ...]]]:
-    """``id(BackwardWeight) -> (it, one rule or None per mix)`` for ``program``."""
+    """``id(BackwardWeight) -> (it, one rule or None per mix)`` for ``program``, and
+    ``id(BackwardInput) -> (it, cuts)``: the weight cuts whose gradients that input half asks
+    autograd for itself (``EARLY``)."""
     writer: dict[str, Call] = {}
-    out: dict[int, tuple[Any, tuple[Rule | None, ...]]] = {}
+    keeper: dict[str, BackwardInput] = {}  # a kept output -> the input half that keeps it
+    out: dict[int, tuple[Any, Any]] = {}
     for ins in program.instructions:
         if isinstance(ins, Call):
             for o in ins.outs:
                 writer[o] = ins
+        elif isinstance(ins, BackwardInput):
+            for o in ins.keep:
+                keeper[o] = ins
         elif isinstance(ins, BackwardWeight):
-            out[id(ins)] = (ins, tuple(_rule(writer.get(outs[0]) if outs else None, outs, cuts)
-                                       for outs, cuts in ins.mixes))
+            rules = tuple(_rule(writer.get(outs[0]) if outs else None, outs, cuts)
+                          for outs, cuts in ins.mixes)
+            out[id(ins)] = (ins, rules)
+            if not EARLY:
+                continue
+            for (outs, cuts), rule in zip(ins.mixes, rules):
+                half = keeper.get(outs[0]) if outs else None
+                if rule is None or not getattr(rule, "early", False) or half is None:
+                    continue
+                had = out.get(id(half))
+                out[id(half)] = (half, (had[1] if had else ()) + tuple(c for c, _ in cuts))
     return out
 
 
@@ -173,6 +197,9 @@ def _layer_norm(args: dict, cuts: set[str], outs: tuple[str, ...], scale: float,
         _, gw, gb = _aten.native_layer_norm_backward(g, xv, shape, mean, rstd, wv, bv,
                                                      [False, want_w, want_b])
         return ([(w, gw)] if want_w else []) + ([(b, gb)] if want_b else [])
+    # its statistics are not kept (a ``layer_norm`` call, or a native one whose others outputs
+    # are gone): the input half's own kernel call gives the cuts' gradients with the input's
+    rule.early = not native  # type: ignore[attr-defined]
     return rule
 
 
