@@ -50,6 +50,9 @@ from ssdsl.runtime import sender as sending
 from ssdsl.runtime import straight as straight_code
 from ssdsl.runtime import wgrad
 from ssdsl.runtime.reference import to_dtype
+from ssdsl.runtime.train import OptimizerSpec, build_optimizer
+from ssdsl.runtime.zero import ZeroShard, model_state_bytes, optimizer_params, zero_shards
+from ssdsl.trace.model_file import ModelFile, ModelFileContract
 
 try:  # the engine as ``torch.autograd.backward`` calls it, after its checks of the gradients
     from torch.autograd.graph import _engine_run_backward
@@ -60,9 +63,6 @@ try:  # the engine as ``torch.autograd.backward`` calls it, after its checks of 
 except ImportError:  # another torch: the public call
     def _run_backward(tensors: list, grads: list) -> None:
         torch.autograd.backward(tensors, grads)
-from ssdsl.runtime.train import OptimizerSpec, build_optimizer
-from ssdsl.runtime.zero import ZeroShard, model_state_bytes, optimizer_params, zero_shards
-from ssdsl.trace.model_file import ModelFile, ModelFileContract
 
 
 # whether ``Runner`` runs calls and batch inputs through prebuilt closures (benchmarks compare)
@@ -622,7 +622,8 @@ class Runner(Handler):
         cut_grads = self.cut_grads
         for k, (outs, cuts) in enumerate(ins.mixes):
             rule = rules[k] if rules else None
-            if cut_grads and cuts[0][0] in cut_grads:  # from the input half (``wgrad.EARLY``)
+            if cut_grads and any(c in cut_grads for c, _ in cuts):  # from the input half
+                # (``wgrad.EARLY``): a cut without one there needs no gradient
                 for o in outs:
                     kept.pop(o, None)
                 for cut, src in cuts:
