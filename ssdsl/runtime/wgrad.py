@@ -58,7 +58,7 @@ Rule = Callable[[dict, dict], "list[tuple[str, torch.Tensor]] | None"]
 _aten = torch.ops.aten
 
 
-def rules_of(program: Program) -> dict[int, tuple[Any, tuple[Rule | None, ...]]]:
+def rules_of(program: Program) -> dict[int, tuple[Any, tuple]]:
     """``id(BackwardWeight) -> (it, one rule or None per mix)`` for ``program``, and
     ``id(BackwardInput) -> (it, cuts)``: the weight cuts whose gradients that input half asks
     autograd for itself (``EARLY``)."""
