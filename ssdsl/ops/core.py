@@ -267,14 +267,27 @@ class Annotation:
         labels = self._labels()
         slotted, kwargs = _slotted_once(call.op)
         needed_first = first.local.slots()
+        # a lowering that reads only extents makes the first's call wherever the label's
+        # extent is the first's and the label is not reduced (``by_extent``); the value split
+        # (reduced labels only) is then the first's as well
+        lab = labels.get(label)
+        extent = None
+        if reads_extents_only(self.lower) and lab is not None and lab.mark != "reduced":
+            a0, z0 = ranges[0].get(label, (0, lab.size))
+            extent = z0 - a0
         for r in ranges[1:]:
-            for name, (start, stop) in r.items():  # the others passed for the first already
-                if name == label:
-                    _check_range(call, labels, name, start, stop)
-            local = self.lower(call, self, r, slotted, dict(kwargs))
-            needed = needed_first if local == first.local else local.slots()
-            value = tuple((n, x) for n, x in r.items()
-                          if labels[n].mark == "reduced" and x != (0, labels[n].size))
+            if label in r:  # the other labels passed for the first already
+                start, stop = r[label]
+                _check_range(call, labels, label, start, stop)
+            else:
+                start, stop = 0, lab.size if lab is not None else 0
+            if extent is not None and stop - start == extent:
+                local, needed, value = first.local, needed_first, first.value
+            else:
+                local = self.lower(call, self, r, slotted, dict(kwargs))
+                needed = needed_first if local == first.local else local.slots()
+                value = tuple((n, x) for n, x in r.items()
+                              if labels[n].mark == "reduced" and x != (0, labels[n].size))
             ins = tuple(self._region_along(sig, label, r, had) if i in needed else None
                         for i, (sig, had) in enumerate(zip(self.inputs, first.inputs)))
             outs = tuple(self._region_along(sig, label, r, had)

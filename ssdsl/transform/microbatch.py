@@ -109,10 +109,15 @@ def _by_shift(t: Transformed, d: Microbatch
         pieces = _first_pieces(t, op, label, d, any(x in consumed for x in op.outputs))
         if pieces is None:
             return None
-        seen: set[int] = set()  # ids of subs alive in ``first``: replicas share one
+        # a sub-operator's moves depend on its share and on which slots it touches (and their
+        # ranks), not on where its regions lie: each distinct kind is noted once
+        noted: set[tuple] = set()
         for part, step in pieces:
-            if id(part.sub) not in seen:
-                seen.add(id(part.sub))
+            sub = part.sub
+            kind = (step, tuple(None if r is None else len(r) for r in sub.inputs),
+                    tuple(map(len, sub.outputs)))
+            if kind not in noted:
+                noted.add(kind)
                 if not _note_moves(t, op, part, label, step, moves):
                     return None
         first[op.name] = [p for p, _ in pieces]
@@ -123,8 +128,13 @@ def _by_shift(t: Transformed, d: Microbatch
     if any(moves.get((name, i)) for name in boxes0 if name in fixed
            for i in range(len(boxes0[name]))):
         return None  # a weight keeps its coordinates: it cannot move with the batch
-    boxes = [{name: tuple(tuple((a + k * moves.get((name, i), 0), z + k * moves.get((name, i), 0))
-                                for a, z in dim) for i, dim in enumerate(box))
+    # micro-batch k's box of a tensor: micro-batch 0's, each dim moved k times its move (a
+    # tensor that does not move keeps micro-batch 0's box object)
+    steps = {name: tuple(moves.get((name, i), 0) for i in range(len(box)))
+             for name, box in boxes0.items()}
+    boxes = [{name: box if not any(steps[name]) else
+              tuple(tuple((a + k * s, z + k * s) for a, z in dim) if s else dim
+                    for s, dim in zip(steps[name], box))
               for name, box in boxes0.items()} for k in range(d.count)]
     return _localize(t, first, boxes0), boxes
 
@@ -371,56 +381,61 @@ def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Micro
                  part.assigned_at) for key, sub in zip(keys, subs)]
 
 
-def _regions(t: Transformed, parts: dict[str, list[Part]],
-             skip: dict[str, frozenset[int]] | None = None):
-    """Every (tensor, intervals) that a part of one micro-batch reads or writes (a sub-operator
-    shared by several parts once: the boxes are unions), but the reads in ``skip``'s slots."""
-    skip = skip or {}
-    for op in t.graph.ops:
-        seen: set[int] = set()  # ids of subs alive in ``parts`` for the whole loop
-        skipped = skip.get(op.name, frozenset())
-        for p in parts[op.name]:
-            if id(p.sub) in seen:
-                continue
-            seen.add(id(p.sub))
-            for slot, (name, ivs) in enumerate(zip(op.inputs, p.sub.inputs)):
-                if ivs is not None and slot not in skipped:
-                    yield name, ivs
-            for name, ivs in zip(op.outputs, p.sub.outputs):
-                yield name, ivs
-
-
 def _boxes(t: Transformed, parts: dict[str, list[Part]],
            dtype_reads: dict[str, frozenset[int]] | None = None) -> dict[str, Box]:
-    """Per tensor and dim, the union of the intervals one micro-batch's parts touch.
+    """Per tensor and dim, the union of the intervals one micro-batch's parts touch (every
+    region a part reads or writes, a sub-operator shared by several parts once), but the reads
+    in ``dtype_reads``' slots.
 
     Local coordinates number the positions of that union in order: with dp x micro-batches,
     micro-batch 0 holds rows {0, 4} of an 8-row batch, which become local rows {0, 1}.
     """
-    seen: dict[str, list[list[tuple[int, int]]]] = {}
-    # a region many parts touch (a weight's) joins the union once; regions are shared objects
-    # (alive in ``parts`` for the whole loop), so telling them by id is cheaper than hashing
-    # them, and a copy that slips through adds nothing to the union
-    done: set = set()
-    regions = _regions(t, parts, dtype_reads)
-    if dtype_reads:  # a tensor read for its dtype alone, and by nothing else: the read as it is
-        regions = list(regions)
-        touched = {name for name, _ in regions}
-        for op, slots in dtype_reads.items():
-            names = t.graph.op(op).inputs
-            regions += [(names[s], ivs) for p in parts[op] for s, ivs in enumerate(p.sub.inputs)
-                        if s in slots and ivs is not None and names[s] not in touched]
-    for name, ivs in regions:
-        if (name, id(ivs)) in done:
-            continue
-        done.add((name, id(ivs)))
-        dims = seen.setdefault(name, [[] for _ in ivs])
-        for into, d in zip(dims, ivs):
-            into.extend(d)
     g = t.graph
     fixed = {*g.params, *g.buffers, *g.constants}  # weights keep their coordinates
-    return {name: tuple(((0, s),) for s in g.tensors[name].shape) if name in fixed
-            else tuple(_merge(d) for d in dims) for name, dims in seen.items()}
+    skip = dtype_reads or {}
+    # per tensor (in order of first touch), per dim, the distinct interval tuples touched
+    # (None: a weight); a region many parts touch joins once: regions are shared objects,
+    # alive in ``parts`` for the whole loop, so telling them by id is cheaper than hashing them,
+    # and a copy that slips through adds nothing to the union
+    seen: dict[str, list[set] | None] = {}
+    done: set = set()
+
+    def touch(name, ivs):
+        if (name, id(ivs)) in done:
+            return
+        done.add((name, id(ivs)))
+        if name in seen:
+            dims = seen[name]
+        else:
+            dims = seen[name] = None if name in fixed else [set() for _ in ivs]
+        if dims is not None:
+            for into, d in zip(dims, ivs):
+                into.add(d)
+
+    for op in g.ops:
+        subs: set[int] = set()  # ids of subs alive in ``parts`` for the whole loop
+        skipped = skip.get(op.name, frozenset())
+        for p in parts[op.name]:
+            sub = p.sub
+            if id(sub) in subs:
+                continue
+            subs.add(id(sub))
+            for slot, (name, ivs) in enumerate(zip(op.inputs, sub.inputs)):
+                if ivs is not None and slot not in skipped:
+                    touch(name, ivs)
+            for name, ivs in zip(op.outputs, sub.outputs):
+                touch(name, ivs)
+    if skip:  # a tensor read for its dtype alone, and by nothing else: the read as it is
+        touched = set(seen)
+        for op, slots in skip.items():
+            names = g.op(op).inputs
+            for p in parts[op]:
+                for slot, ivs in enumerate(p.sub.inputs):
+                    if slot in slots and ivs is not None and names[slot] not in touched:
+                        touch(names[slot], ivs)
+    return {name: tuple(((0, s),) for s in g.tensors[name].shape) if dims is None
+            else tuple(_merge([iv for d in dim for iv in d]) for dim in dims)
+            for name, dims in seen.items()}
 
 
 def _merge(intervals: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
