@@ -338,7 +338,9 @@ class _Builder:
             devices = {p.index: dev for p, dev in zip(row_major(chosen), d.devices)} \
                 if len(d.devices) > 1 else {p.index: d.devices[0] for p in chosen}
             _refuse_moves(name, chosen, devices, d)
-            self.parts[name] = [attrs.evolve(p, device=devices[p.index], assigned_at=d.span)
+            # remade by the constructor, not ``attrs.evolve``: every part of a large plan
+            self.parts[name] = [Part(p.op, p.index, p.replica, p.ranges, p.sub,
+                                     devices[p.index], p.span, d.span)
                                 if p.index in devices else p for p in self.parts[name]]
             placed += len(chosen)
         if not placed:

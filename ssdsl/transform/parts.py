@@ -11,7 +11,9 @@ dim contribute partial gradients that must be summed). ``assign`` sets each part
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
+from itertools import compress
 from types import MappingProxyType
 from typing import Any
 
@@ -47,12 +49,12 @@ class Part:
     @property
     def partition_index(self) -> tuple[int, ...]:
         """The index entries that came from partition (replica entries dropped)."""
-        return tuple(i for i, r in zip(self.index, self.replica) if not r)
+        return tuple(compress(self.index, map(operator.not_, self.replica)))
 
     @property
     def replica_index(self) -> tuple[int, ...]:
         """The index entries that came from replicate."""
-        return tuple(i for i, r in zip(self.index, self.replica) if r)
+        return tuple(compress(self.index, self.replica))
 
     def value_part(self, sizes: Mapping[str, int]) -> tuple[int, int]:
         """``(k, V)``: the outputs hold the k-th of V partial sums (``(0, 1)``: full values)."""
