@@ -449,6 +449,35 @@ class _Template:
         self.params = [i for i, ins in enumerate(instructions) if ins.kind == "param"]
         self.heads: dict[int, tuple] = {}  # a call's line up to its note, once asked
         self.ones: dict[int, tuple[str, ...]] = {}  # ``_one_field_pieces``, once asked
+        self._groups: tuple | None = None  # ``_call_groups``, once asked
+        # texts of stamped values and shard entries, kept across the class's ranks (the same
+        # region objects recur: a tensor-parallel shard on every data-parallel rank)
+        self.texts: dict[int, tuple] = {}  # id(value) -> (value, its text, its note's)
+        self.shard_entries: dict[tuple, tuple] = {}  # (tensor, id(region)) -> (region, entry)
+
+    def _call_groups(self) -> tuple[tuple, bytearray]:
+        """The calls of one line (not a loss part), grouped by their part and local call (the
+        micro-batches of one part: their lines differ before the note, and share the note):
+        per group the positions, each one's line up to its note, the local call and its code's
+        pieces; and which positions are in a group."""
+        if self._groups is None:
+            found: dict[tuple, list[int]] = {}
+            for i, (d, ins) in enumerate(zip(self.done, self.instructions)):
+                if type(ins) is Call and not ins.loss and len(d.stmts) == 1 and not d.consts:
+                    found.setdefault((ins.op, ins.part, id(ins.call), ins.listy), []).append(i)
+            grouped = [False] * len(self.instructions)
+            groups = []
+            for positions in found.values():
+                first = self.instructions[positions[0]]
+                heads = tuple(f"{'    ' * self.done[i].depth}{self.done[i].stmts[0].code}  # "
+                              for i in positions)
+                groups.append((tuple(positions), heads, first.call,
+                               _call_pieces(first.call, first.listy)))
+                for i in positions:
+                    grouped[i] = True
+            loose = tuple(i for i, g in enumerate(grouped) if not g)
+            self._groups = (tuple(groups), loose)
+        return self._groups
 
     def _one_field_pieces(self, i: int, one: tuple) -> tuple[str, ...]:
         """The constant and the line of the instruction at ``i`` before and after the text of
@@ -478,12 +507,46 @@ class _Template:
         mine, base = program.instructions, self.instructions
         if len(mine) != len(base):
             return None
-        changed = [i for i, (a, b) in enumerate(zip(base, mine)) if a is not b]
         e = _Emitter(m, program, notes=_part_notes(m))
         consts, lines, done, starts = list(self.consts), list(self.lines), self.done, self.starts
         heads, ones = self.heads, self.ones
-        seen: dict[int, tuple] = {}  # id(value) -> (value, its text, its note's)
+        seen = self.texts
         pieces_of, is_ = _call_pieces, operator.is_
+        groups, loose = self._call_groups()
+        # a part's calls (one per micro-batch) as a group: the same code before the note where
+        # each differs from the template's only in the part, on the same local call (or one of
+        # the same code); the note, this rank's part's, is found once
+        rest: list[int] = []
+        for positions, line_heads, was_call, was_pieces in groups:
+            first = None
+            for i in positions:
+                if mine[i] is not base[i]:
+                    first = mine[i]
+                    break
+            if first is None:
+                continue
+            ok = type(first) is Call and (first.call is was_call or pieces_of(
+                first.call, first.listy) is was_pieces)
+            if ok:
+                op, part, call, span = first.op, first.part, first.call, first.span
+                for i in positions:
+                    ins, was = mine[i], base[i]
+                    if ins is not was and not (
+                            type(ins) is Call and ins.call is call and ins.part == part
+                            and ins.span is span and ins.op == op and ins.ins is was.ins
+                            and ins.outs is was.outs and ins.listy == was.listy
+                            and ins.loss == was.loss and ins.count == was.count):
+                        ok = False
+                        break
+            if not ok:
+                rest.extend(i for i in positions if mine[i] is not base[i])
+                continue
+            note = e._where(first)[2]
+            for i, head in zip(positions, line_heads):
+                if mine[i] is not base[i]:
+                    lines[starts[i]] = head + note
+        changed = [i for i in loose if mine[i] is not base[i]]
+        changed += rest
         for i in changed:
             d, ins = done[i], mine[i]
             cls, was = type(ins), d.ins
@@ -535,10 +598,18 @@ class _Template:
                 lines[k + j] = "    " * s.depth + _line(s)
         shards = self.shards
         if any(mine[i] is not base[i] for i in self.params):
-            e.shards, e._shard_set = [], set()
+            # ``_Emitter._shard`` of each, its entries found once per region object
+            entries, shards, got = self.shard_entries, [], set()
             for i in self.params:
-                e._shard(mine[i])
-            shards = e.shards
+                ins = mine[i]
+                region = ins.region
+                hit = entries.get((ins.tensor, id(region)))
+                if hit is None or hit[0] is not region:
+                    e.shards, e._shard_set = [], set()
+                    hit = entries[(ins.tensor, id(region))] = (region, e._shard(ins))
+                if hit[1] not in got:
+                    got.add(hit[1])
+                    shards.append(hit[1])
         return _body(shards, self.legend, consts, lines)
 
 
