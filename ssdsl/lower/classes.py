@@ -108,6 +108,9 @@ class AdapterIndex:
     consumers: dict[int, tuple[Any, ...]]
     steps: tuple[tuple, ...]  # per step: ("coll", member -> Coll) or ("p2p", end, by device)
     still: bool  # no steps in either direction
+    # per device, the local shapes of its producer and consumer regions (what the class key
+    # compares; made once, not once per rank)
+    shapes: dict[int, tuple[tuple, tuple]] = attrs.Factory(dict)
 
     @classmethod
     def of(cls, ad: Any) -> AdapterIndex:
@@ -146,8 +149,11 @@ class AdapterIndex:
         for d, r in ad.consumers:
             consumers.setdefault(d, []).append(r)
         still = not ad.steps and not (ad.backward is not None and ad.backward.steps)
+        shapes = {d: (tuple(r.local_shape for r in producers.get(d, ())),
+                      tuple(r.local_shape for r in consumers.get(d, ())))
+                  for d in {*producers, *consumers}}
         return cls({d: tuple(v) for d, v in producers.items()},
-                   {d: tuple(v) for d, v in consumers.items()}, tuple(steps), still)
+                   {d: tuple(v) for d, v in consumers.items()}, tuple(steps), still, shapes)
 
     def view(self, rank: int) -> tuple[Any, ...]:
         """``rank_view(adapter, rank)``."""
@@ -207,11 +213,9 @@ def rank_key(ctx: _Context, index: RankIndex, rank: int, views: dict[int, Any]) 
         back = None
         if ad.backward is not None:
             back = views[id(ad.backward)] = index.adapter(ad.backward).view(rank)
-        mine = at.producers.get(rank, ())
-        took = at.consumers.get(rank, ())
+        mine, took = at.shapes.get(rank, ((), ()))
         key.append((eid, rank in stage_devices[stage(k[1])], at.passthrough(rank),
-                    len(mine), len(took), tuple(r.local_shape for r in mine),
-                    tuple(r.local_shape for r in took), _shape_of(fwd),
+                    len(mine), len(took), mine, took, _shape_of(fwd),
                     _shape_of(back) if back is not None else None))
     return tuple(key)
 
