@@ -455,11 +455,11 @@ class _Template:
         self.texts: dict[int, tuple] = {}  # id(value) -> (value, its text, its note's)
         self.shard_entries: dict[tuple, tuple] = {}  # (tensor, id(region)) -> (region, entry)
 
-    def _call_groups(self) -> tuple[tuple, bytearray]:
+    def _call_groups(self) -> tuple[tuple, tuple[int, ...]]:
         """The calls of one line (not a loss part), grouped by their part and local call (the
         micro-batches of one part: their lines differ before the note, and share the note):
         per group the positions, each one's line up to its note, the local call and its code's
-        pieces; and which positions are in a group."""
+        pieces; and the positions in no group."""
         if self._groups is None:
             found: dict[tuple, list[int]] = {}
             for i, (d, ins) in enumerate(zip(self.done, self.instructions)):

@@ -115,7 +115,7 @@ def _by_shift(t: Transformed, d: Microbatch
         for part, step in pieces:
             sub = part.sub
             kind = (step, tuple(None if r is None else len(r) for r in sub.inputs),
-                    tuple(map(len, sub.outputs)))
+                    tuple(None if r is None else len(r) for r in sub.outputs))
             if kind not in noted:
                 noted.add(kind)
                 if not _note_moves(t, op, part, label, step, moves):
