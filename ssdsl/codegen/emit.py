@@ -165,10 +165,13 @@ class _Emitter(Handler):
         scale = f" x{ins.scale:g}" if ins.scale != 1.0 else ""
         self._hand(ins, f"{ins.out} = shard of {qual} {region}{scale}")
 
+    def _shard_entry(self, ins) -> tuple[str, str, str]:
+        """The shard table's entry of the shard ``ins`` takes."""
+        return (ins.tensor, self.graph.params.get(ins.tensor, ins.tensor), region_text(ins.region))
+
     def _shard(self, ins) -> tuple[str, str, str]:
         """Enter the shard ``ins`` takes into the shard table (once)."""
-        qual = self.graph.params.get(ins.tensor, ins.tensor)
-        entry = (ins.tensor, qual, region_text(ins.region))
+        entry = self._shard_entry(ins)
         if entry not in self._shard_set:
             self._shard_set.add(entry)
             self.shards.append(entry)
@@ -598,15 +601,14 @@ class _Template:
                 lines[k + j] = "    " * s.depth + _line(s)
         shards = self.shards
         if any(mine[i] is not base[i] for i in self.params):
-            # ``_Emitter._shard`` of each, its entries found once per region object
+            # ``_Emitter._shard`` of each, an entry found once per region object
             entries, shards, got = self.shard_entries, [], set()
             for i in self.params:
                 ins = mine[i]
                 region = ins.region
                 hit = entries.get((ins.tensor, id(region)))
                 if hit is None or hit[0] is not region:
-                    e.shards, e._shard_set = [], set()
-                    hit = entries[(ins.tensor, id(region))] = (region, e._shard(ins))
+                    hit = entries[(ins.tensor, id(region))] = (region, e._shard_entry(ins))
                 if hit[1] not in got:
                     got.add(hit[1])
                     shards.append(hit[1])
