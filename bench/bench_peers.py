@@ -2,6 +2,7 @@
 
     python bench/bench_peers.py [--nproc 2] [--rounds 3] [--steps 8] [--warmup 2]
                                 [--only eager dp tp 1f1b gpipe interleaved] [--off LEVER ...]
+                                [--peer-hostmem]
 
 Every pair trains the same model file (a nanoGPT-style decoder: separate q/k/v projections so
 that torch's column/row-parallel styles apply, an untied LM head so that torch's pipeline stages
@@ -26,6 +27,11 @@ recorded on both sides; ``loss_agreement`` is the largest relative difference of
 Prints JSON: per pair both step times and ``ratio`` = ssdsl / peer. ``--off LEVER`` adds, in
 the same rounds, ssdsl with that lever turned off (``LEVERS``): ``lever_LEVER`` is ssdsl /
 ssdsl without it (below 1: the lever helps), ``ratio_without_LEVER`` the ratio it would have.
+
+ssdsl's ranks keep the host memory a step frees for the next (``ssdsl.runtime.hostmem``: glibc's
+thresholds fixed), which the peers, run as a user runs them, do not: their steps fault fresh
+pages in where ssdsl's do not. ``--peer-hostmem`` gives the peers' ranks the same setting, so
+that a pair compares the executors alone.
 """
 
 from __future__ import annotations
@@ -186,8 +192,15 @@ def stdlib_pipeline_plan(kind: str, microbatches: int) -> str:
 # -- workers: one rank each; every one returns (step times, losses) ------------------------------
 
 
-def _quiet_threads() -> None:
+def _quiet_threads(peer: bool = True) -> None:
     torch.set_num_threads(1)
+    if peer and os.environ.get(PEER_HOSTMEM_VAR):  # ``--peer-hostmem``: every side keeps host memory
+        from ssdsl.runtime import hostmem
+        hostmem.keep()
+
+
+# set by ``--peer-hostmem`` in the ranks' environment
+PEER_HOSTMEM_VAR = "SSDSL_BENCH_PEER_HOSTMEM"
 
 
 def _timed_loop(steps: int, mf, one_step) -> tuple[list[float], list[float]]:
@@ -243,6 +256,8 @@ LEVERS = {
     "early_recv": ("ssdsl.runtime.early", "LOOKAHEAD", -1),
     "early_loss": ("ssdsl.runtime.early_loss", "ENABLED", False),
     "sender": ("ssdsl.runtime.sender", "ENABLED", False),
+    # glibc's own malloc thresholds (read when a rank's trainer is made)
+    "hostmem": ("ssdsl.runtime.hostmem", "ENABLED", False),
     "prebuilt": ("ssdsl.runtime.executor", "PREBUILD", False),
     "direct_op": ("ssdsl.runtime.prebuilt", "DIRECT", False),
     "bindings": ("ssdsl.runtime.prebuilt", "BINDINGS", False),
@@ -272,7 +287,7 @@ def ssdsl_worker(model_path: str, plan: str, sets: dict, steps: int, off: tuple[
     import ssdsl
     from ssdsl.trace.model_file import load_model_file
 
-    _quiet_threads()
+    _quiet_threads(peer=False)  # ssdsl sets its own (lever ``hostmem``)
     for lever in off:
         module, attr, value = LEVERS[lever]
         setattr(importlib.import_module(module), attr, value)
@@ -451,7 +466,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--off", nargs="*", default=[], choices=sorted(LEVERS),
                    help="also run ssdsl with each of these levers off (round-robin); "
                    "'lever' gives ssdsl / ssdsl-without-it")
+    p.add_argument("--peer-hostmem", action="store_true",
+                   help="the peers' ranks keep freed host memory as ssdsl's do "
+                   "(ssdsl.runtime.hostmem): the executors alone compared")
     args = p.parse_args(argv)
+    if args.peer_hostmem:
+        os.environ[PEER_HOSTMEM_VAR] = "1"
     if args.layers % (2 * args.nproc):
         p.error("--layers must be a multiple of 2 * --nproc (interleaved uses 2 chunks a rank)")
     if args.steps <= args.warmup:

@@ -40,7 +40,7 @@ from ssdsl.runtime.early import EarlyRecv, early_receives
 from ssdsl.runtime.early_loss import LossPlan, loss_plan
 from ssdsl.runtime.flat import FlatGrads, flat_grads
 from ssdsl.runtime.groups import ProcessGroups, groups_of
-from ssdsl.runtime import exchange, liveness
+from ssdsl.runtime import exchange, hostmem, liveness
 from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.liveness import dead_before_backwards, held_as_edges
 from ssdsl.runtime.overlap import OverlapPlan, Parts, overlap_plan
@@ -1113,6 +1113,7 @@ class RankProgram:
                  *, dtype: torch.dtype, optimizer: OptimizerSpec, groups: ProcessGroups | None,
                  program: Program | None = None):
         self.m, self.rank, self.mf, self.dtype = m, rank, model_file, dtype
+        hostmem.keep()  # this process trains: a step reuses the host memory the last one freed
         self.graph = m.transformed.graph
         self.groups = groups
         self.state = self._init_state(model)

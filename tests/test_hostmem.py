@@ -1,0 +1,75 @@
+"""A rank that trains keeps the host memory one step freed for the next (``ssdsl.runtime.hostmem``).
+
+The oracle is the kernel's count of minor page faults (``getrusage``), not anything hostmem
+computes: a step whose tensors reuse memory the process kept faults no page in.
+Each case runs in a fresh interpreter, since the thresholds are the whole process's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+
+_SCRIPT = textwrap.dedent("""
+    import resource, sys, torch
+    from ssdsl.runtime import hostmem
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(),
+                                torch.nn.Linear(1024, 1024), torch.nn.GELU(),
+                                torch.nn.Linear(1024, 64))
+    x = torch.randn(256, 64)
+
+    def faults():
+        for _ in range(3):
+            model(x).square().mean().backward()
+        r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(10):
+            model(x).square().mean().backward()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0
+
+    before = faults()
+    kept = hostmem.keep()
+    print(kept, before, faults(), hostmem.keep())
+""")
+
+
+def _run(env_value: str | None) -> tuple[str, int, int, str]:
+    env = dict(os.environ)
+    env.pop("SSDSL_HOST_MEMORY", None)
+    if env_value is not None:
+        env["SSDSL_HOST_MEMORY"] = env_value
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    return out[0], int(out[1]), int(out[2]), out[3]
+
+
+def _glibc() -> bool:
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").gnu_get_libc_version  # noqa: B018
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc's malloc")
+def test_steps_after_keep_fault_no_pages_in():
+    kept, before, after, again = _run(None)
+    assert kept == "True" and again == "True"
+    # ten steps of ~2 MiB of activations: thousands of pages faulted in afresh by default
+    assert before > 2000, before
+    assert after * 10 < before, (before, after)
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc's malloc")
+def test_release_leaves_the_c_library_defaults():
+    kept, before, after, _ = _run("release")
+    assert kept == "False"
+    assert before > 2000 and after > 2000, (before, after)
