@@ -25,7 +25,6 @@ library's defaults (benchmarks compare).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -56,7 +55,7 @@ def keep() -> bool:
 
 def _set_thresholds() -> bool:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the process's own symbols: the C library it runs on
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # noqa: B018 - only glibc has it (musl's mallopt does nothing)
     except (OSError, AttributeError):
