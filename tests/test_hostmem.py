@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 
 _SCRIPT = textwrap.dedent("""
-    import ctypes, resource, sys, torch
+    import ctypes, os, resource, sys, torch
     from ssdsl.runtime import hostmem
     # glibc's starting thresholds (128 KiB), held there: its own adjustment of them depends on
     # what the process did before, so the steps before keep() would fault more or less
@@ -41,17 +41,26 @@ _SCRIPT = textwrap.dedent("""
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0
 
     before = faults()
-    kept = hostmem.keep()
+    if sys.argv[2:] == ["trainer"]:  # what a rank's trainer does when it is made
+        from ssdsl.runtime.executor import RankProgram
+        from ssdsl.runtime.job import JobSpec, plan_job
+        from ssdsl.runtime.train import OptimizerSpec
+        mf, m, full = plan_job(JobSpec(sys.argv[1], "dp", ()), 1)
+        RankProgram(m, 0, mf, full, dtype=torch.float32, optimizer=OptimizerSpec("sgd", 0.1),
+                    groups=None)
+        kept = hostmem._DONE.get(os.getpid())
+    else:
+        kept = hostmem.keep()
     print(kept, before, faults(), hostmem.keep())
 """)
 
 
-def _run(env_value: str | None) -> tuple[str, int, int, str]:
+def _run(env_value: str | None, *args: str) -> tuple[str, int, int, str]:
     env = dict(os.environ)
     env.pop("SSDSL_HOST_MEMORY", None)
     if env_value is not None:
         env["SSDSL_HOST_MEMORY"] = env_value
-    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, *args], env=env, capture_output=True,
                          text=True, timeout=120, check=True).stdout.split()
     return out[0], int(out[1]), int(out[2]), out[3]
 
@@ -79,3 +88,14 @@ def test_release_leaves_the_c_library_defaults():
     kept, before, after, _ = _run("release")
     assert kept == "False"
     assert before > 2000 and after > 2000, (before, after)
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc's malloc")
+def test_a_ranks_trainer_keeps_host_memory():
+    """Making a ``RankProgram`` (every backend's trainer) sets the thresholds in its process."""
+    from pathlib import Path
+    model = str(Path(__file__).resolve().parent.parent / "examples" / "mlp.py")
+    kept, before, after, _ = _run(None, model, "trainer")
+    assert kept == "True"
+    assert before > 2000, before
+    assert after * 10 < before, (before, after)
