@@ -192,15 +192,15 @@ def stdlib_pipeline_plan(kind: str, microbatches: int) -> str:
 # -- workers: one rank each; every one returns (step times, losses) ------------------------------
 
 
-def _quiet_threads(peer: bool = True) -> None:
-    torch.set_num_threads(1)
-    if peer and os.environ.get(PEER_HOSTMEM_VAR):  # ``--peer-hostmem``: every side keeps host memory
-        from ssdsl.runtime import hostmem
-        hostmem.keep()
-
-
 # set by ``--peer-hostmem`` in the ranks' environment
 PEER_HOSTMEM_VAR = "SSDSL_BENCH_PEER_HOSTMEM"
+
+
+def _quiet_threads(peer: bool = True) -> None:
+    torch.set_num_threads(1)
+    if peer and os.environ.get(PEER_HOSTMEM_VAR):  # the peers keep host memory as ssdsl does
+        from ssdsl.runtime import hostmem
+        hostmem.keep()
 
 
 def _timed_loop(steps: int, mf, one_step) -> tuple[list[float], list[float]]:
