@@ -140,12 +140,6 @@ def simulate_costs(costs: PlanCosts, schedule: Schedule, groups: tuple[tuple[int
                       schedule, groups, opts)
 
 
-def unit_seconds(costs: PlanCosts, schedule: Schedule, groups: tuple[tuple[int, ...], ...]):
-    """``seconds(unit, rank)``: how long ``unit`` takes on pipeline rank ``rank`` (its slowest
-    device, with the cores to itself), as this module's simulation times it."""
-    return _Sim(costs, schedule, groups).rank_duration
-
-
 def _reduced_at(costs: PlanCosts, intervals: list[Interval], rank: int, d: int,
                 hidden: float) -> float:
     """When device ``d`` (on pipeline rank ``rank``) has reduced every gradient bucket. The

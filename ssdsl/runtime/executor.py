@@ -40,7 +40,7 @@ from ssdsl.runtime.early import EarlyRecv, early_receives
 from ssdsl.runtime.early_loss import LossPlan, loss_plan
 from ssdsl.runtime.flat import FlatGrads, flat_grads
 from ssdsl.runtime.groups import ProcessGroups, groups_of
-from ssdsl.runtime import cpushare, exchange, hostmem, liveness
+from ssdsl.runtime import exchange, hostmem, liveness
 from ssdsl.runtime.init import init_shards
 from ssdsl.runtime.liveness import dead_before_backwards, held_as_edges
 from ssdsl.runtime.overlap import OverlapPlan, Parts, overlap_plan
@@ -1124,8 +1124,6 @@ class RankProgram:
                                    optimizer_params(self.state.leaves, self.zero))
         self.runner = DistRunner(rank, self.state, dtype=dtype, opt=self.opt, groups=groups,
                                  zero=self.zero)
-        # a pipeline rank on a host its ranks crowd: its CPU share as the schedule wants it
-        cpushare.settle(m, rank, self.runner.device)
         self._early: tuple | None = None  # early_receives(program), on the first whole step
         self._loss_plan: LossPlan | None = None
         self._overlap: OverlapPlan | None = None
