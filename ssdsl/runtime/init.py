@@ -209,7 +209,8 @@ def init_shards(m: Any, rank: int, source: Source, *, dtype: torch.dtype | None 
     constants), keyed by (graph tensor name, region), copied from ``source``: a live seeded
     model, or a ``StateFile`` of one (only the regions' bytes are read). Floats are cast to
     ``dtype`` (the plan's, ``m.dtype``, unless given: verification runs a float32 plan's
-    programs in float64)."""
+    programs in float64) as ``model.to(dtype)`` casts them: parameters and buffers, not a
+    constant the forward makes (it keeps its traced dtype)."""
     dtype = m.dtype if dtype is None else dtype
     graph = m.transformed.graph
     reader = LiveModel(source) if isinstance(source, torch.nn.Module) else source
@@ -228,8 +229,13 @@ def init_shards(m: Any, rank: int, source: Source, *, dtype: torch.dtype | None 
         if value is None:
             continue
         # readers return fresh tensors (never views of a model): cast floats to the run's dtype
-        # as the model is cast, without a second copy when it is already that dtype
-        value = value.to(dtype=dtype) if value.is_floating_point() else value
+        # as the model is cast, without a second copy when it is already that dtype. A lifted
+        # constant (``torch.tensor(2.5)``, made in forward at torch's default dtype) is no part
+        # of the model, which ``model.to(dtype)`` leaves it out of: it keeps its traced dtype,
+        # as on one device (DeBERTa-v2's relative-position buckets: a float32 constant widened
+        # to float64 computes neither the model's float32 value nor a float64 one)
+        if value.is_floating_point() and name not in constants:
+            value = value.to(dtype=dtype)
         into[key] = value.requires_grad_(True) if into is leaves else value
     return leaves, fixed
 
