@@ -68,6 +68,12 @@ class _Builder:
         if len(names) > 1:  # a selection: an op that only reads the dim is an op without it
             labels = {n: None if lab is not None and self._read_only(n, lab) else lab
                       for n, lab in labels.items()}
+            # ... and so is one whose dim of that name has size 1 (the kept dim of a
+            # ``mean(-1, keepdim=True)``, a broadcast dim) while other selected operators have
+            # it larger: there is nothing of it to split, and `ssdsl trace` lists no such dim
+            if any(lab is not None and self._size(n, lab) > 1 for n, lab in labels.items()):
+                labels = {n: None if lab is not None and self._size(n, lab) == 1 else lab
+                          for n, lab in labels.items()}
         if not any(labels.values()):
             raise MissingDim(self._missing_message(names, d.dim), d.span,
                              hint=self._missing_hint(names, d.dim),
@@ -115,6 +121,11 @@ class _Builder:
         if lacking:
             self.notes.append(f"{d.span}: {len(lacking)} operator(s) without dim '{d.dim}' "
                               f"replicated into {d.parts} (e.g. '{lacking[0]}')")
+
+    def _size(self, name: str, label: str) -> int:
+        ann = self.anns[name]
+        assert isinstance(ann, Annotation)
+        return ann.sizes()[label]
 
     def _read_only(self, name: str, label: str) -> bool:
         """Whether ``label`` of ``name`` is an input dim that no output has and that cannot be
