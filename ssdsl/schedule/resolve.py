@@ -38,7 +38,7 @@ from ssdsl.schedule.lower import LowerError, Lowered, SeveralPipelines, lower_sc
 from ssdsl.schedule.oporder import order_operators
 from ssdsl.schedule.stages import balance_stages
 from ssdsl.source import Span
-from ssdsl.transform.apply import assign_ops, check_placed
+from ssdsl.transform.apply import assign_ops, check_placed, placing_span
 from ssdsl.transform.microbatch import split_microbatches
 from ssdsl.transform.parts import Transformed
 from ssdsl.transform.select import part_prefix, path_matches, select_ops
@@ -325,7 +325,7 @@ def resolve_pipeline(t: Transformed) -> tuple[Transformed, Lowered | None]:
     else:  # orders between operators: the one operator order every device walks
         t = order_operators(t)
     t = attrs.evolve(t, recompute=recompute_ops(t, found[0] if found else None))
-    check_placed(t)
+    check_placed(t, placing_span(t.deferred))
     mbs = [d for d in t.deferred if isinstance(d, Microbatch)]
     if mbs:
         t = split_microbatches(t, mbs[-1])

@@ -479,7 +479,7 @@ def apply_directives(graph: Graph, directives: Sequence, *, world: int,
     errors.raise_if_any()
     result = b.result(tuple(deferred))
     if require_placement and not any(isinstance(d, Assign) for d in deferred):
-        check_placed(result)
+        check_placed(result, placing_span(directives))
     return result
 
 
@@ -495,15 +495,34 @@ def assign_ops(t: Transformed, placements: Sequence[tuple[Sequence[str], Assign]
     return attrs.evolve(t, parts={k: tuple(row_major(v)) for k, v in b.parts.items()})
 
 
-def check_placed(t: Transformed) -> None:
-    """Raise ``UnplacedPart`` when some part has no device."""
+def placing_span(directives: Sequence) -> Span | None:
+    """Where a plan places its operators: its last ``assign`` (else its last statement)."""
+    spans = [d.span for d in directives if isinstance(d, Assign) and d.span is not None]
+    spans = spans or [d.span for d in directives if getattr(d, "span", None) is not None]
+    return spans[-1] if spans else None
+
+
+def check_placed(t: Transformed, at: Span | None = None) -> None:
+    """Raise ``UnplacedPart`` when some part has no device: at the statement that made it, or,
+    for an operator that no statement selected, at ``at`` (the plan's last placing
+    statement), with the statements that would place it."""
     missing = [p for ps in t.parts.values() for p in ps if p.device is None]
     if not missing:
         return
     ops = list(dict.fromkeys(p.op for p in missing))
-    first = missing[0]
-    where = f" (made at {first.span})" if first.span else ""
-    raise UnplacedPart(f"{len(missing)} part(s) of {len(ops)} operator(s) have no device, e.g. "
-                       f"part {first.index} of '{first.op}'{where}", first.span,
-                       hint="add an assign statement for them, e.g. `assign each part i to "
-                       "device i`")
+    made = [p for p in missing if p.index]  # parts a partition or replicate made
+    if made:
+        first = made[0]
+        where = f" (made at {first.span})" if first.span else ""
+        raise UnplacedPart(f"{len(missing)} part(s) of {len(ops)} operator(s) have no device, "
+                           f"e.g. part {first.index} of '{first.op}'{where}", first.span,
+                           hint="add an assign statement for them, e.g. `assign each part i to "
+                           "device i`")
+    op = t.graph.op(ops[0])
+    module = op.module or "<top>"
+    raise UnplacedPart(
+        f"{len(ops)} operator(s) have no device, e.g. '{op.name}' ({op.kind}, in '{module}'): "
+        "no partition or replicate statement selected them and no assign names them", at,
+        origin=t.graph.origin(op.name),
+        hint="add `replicate rest into N` before the assigns (a copy on each of N devices), or "
+        "place them whole with `assign rest to device D`")
