@@ -391,11 +391,36 @@ def _indivisible(op, label: str, size: int, n: int, span: Span, ann=None) -> Ssd
             hint=f"use a batch size that splits evenly, a multiple of {n} here (--batch-size, "
             f"or BATCH_SIZE in the model file), or a part count that divides {size}")
     else:
-        err = IndivisibleError(f"'{word}' of {where} has size {size}, which does not divide "
-                               f"into {n} parts", span,
-                               hint=f"choose a number of parts that divides {size}")
+        inner = _inner_factors(ann, label, word)
+        if word == "heads" and inner:  # grouped-query attention: kv heads, queries each
+            name, per = inner[0]
+            err = IndivisibleError(
+                f"'heads' of {where} has size {size}, which does not divide into {n} parts: "
+                f"under grouped-query attention 'heads' counts the {size} key/value heads, each "
+                f"shared by '{name}' {per} query heads", span,
+                hint=f"choose a number of parts that divides {size}, or split the query heads "
+                f"within each group instead: `along {name}` into a number that divides {per} "
+                f"(the key/value projections are then replicated)")
+        else:
+            err = IndivisibleError(f"'{word}' of {where} has size {size}, which does not divide "
+                                   f"into {n} parts", span,
+                                   hint=f"choose a number of parts that divides {size}")
     err.parts = n  # type: ignore[attr-defined]  # read by merge_same_cause
     return err
+
+
+def _inner_factors(ann, label: str, word: str) -> list[tuple[str, int]]:
+    """The other flowing factors of ``label``'s fused dim named after ``word`` (``heads.1``
+    beside ``heads``: a query projection under grouped-query attention), as the table writes
+    them (``heads_1``), with their sizes."""
+    if ann is None or "." not in label:
+        return []
+    names = dict(getattr(ann, "names", {}) or {})
+    sizes = ann.sizes() if hasattr(ann, "sizes") else {}
+    base = label.rsplit(".", 1)[0]
+    return [(name.replace(".", "_"), sizes[lab]) for lab, name in sorted(names.items())
+            if lab != label and lab.rsplit(".", 1)[0] == base and name.startswith(word + ".")
+            and lab in sizes]
 
 
 def _user_dim(ann, label: str) -> str:
