@@ -19,6 +19,7 @@ from ssdsl.runtime.preflight import verify_before_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "tests" / "models" / "sharded_batch.py"
+CE_MODEL = ROOT / "tests" / "models" / "sharded_batch_ce.py"
 
 
 def test_each_data_parallel_rank_takes_its_own_rows() -> None:
@@ -42,6 +43,14 @@ def test_a_hook_that_returns_other_rows_is_refused(monkeypatch) -> None:
     assert err.value.span.line == MODEL.read_text().splitlines().index(
         "def get_batch_shard(step: int, batch_size: int, start: int, stop: int, "
         "record: bool = True):") + 1
+
+
+@pytest.mark.parametrize("plan", ["dp", "1f1b"])
+def test_a_loss_counted_over_the_whole_batch_is_verified(plan) -> None:
+    # cross-entropy's count of labelled targets is a step value: the ranks call get_batch
+    got = verify_before_launch(JobSpec(str(CE_MODEL), plan, dtype="float64"), 2)
+    assert got.status == "verified", got.reason
+    assert got.loss == pytest.approx(got.reference_loss, rel=1e-12, abs=0)
 
 
 @pytest.mark.slow

@@ -157,8 +157,12 @@ def _verified(verdict: Any, start: float, dtype: str) -> Verification:
 
 def check_batch_shard(mf: ModelFile, batch_size: int | None, m: Materialized) -> None:
     """``get_batch_shard`` (when the model file has one) returns, for the rows every rank will
-    ask for, exactly those rows of ``get_batch``: ``NonDeterministicBatch`` otherwise."""
-    if mf.get_batch_shard_fn is None:
+    ask for, exactly those rows of ``get_batch``: ``NonDeterministicBatch`` otherwise.
+
+    A graph with step values (a loss's count over the whole batch, ``Graph.prologue``) makes
+    every rank call ``get_batch`` instead (``RankProgram.step``): there is nothing to check, and
+    its programs take the step values as 0-d inputs, which ``input_rows`` cannot place."""
+    if mf.get_batch_shard_fn is None or m.transformed.graph.prologue:
         return
     from ssdsl.lower import lower_plan
     from ssdsl.runtime.executor import input_rows
