@@ -45,3 +45,21 @@ def test_show_wrong_plan_exits_2_at_its_line(tmp_path, capsys):
 def test_show_plan_without_stages(capsys):
     assert main(["show", "dp", "--world", "2", "--no-picture"]) == 2
     assert "no 'stages'" in capsys.readouterr().err
+
+
+def test_show_with_a_model_takes_its_stages_from_the_trace(capsys):
+    """``show MODEL PLAN``: the forward-only stages of a recycling model come from its trace
+    (without them every stage of recycle_1f1b lacked its backwards); the figures equal those of
+    the 3F1B schedule built by hand (``schedule.builders.three_f_one_b``)."""
+    from pathlib import Path
+
+    from ssdsl.schedule.builders import three_f_one_b
+    from ssdsl.schedule.simulate import simulate
+    model = Path(__file__).resolve().parent.parent / "examples" / "evoformer_recycle.py"
+    assert main(["show", str(model), "recycle_1f1b", "--world", "4", "--set",
+                 "microbatches=8", "--json", "--no-picture"]) == 0
+    fig = json.loads(capsys.readouterr().out)
+    want = simulate(three_f_one_b(4, 8, 3))
+    assert fig["makespan"] == want.makespan
+    assert fig["bubble_ratio"] == want.bubble_ratio
+    assert fig["peak_activations"] == list(want.peak_activations)

@@ -4,8 +4,8 @@ The plan is elaborated, its ``microbatch``/``stages``/``assign``/``order`` state
 per-device programs, checked (errors point at the order statements), and simulated with unit
 costs (forward 1, backward 2 unless ``--forward``/``--backward``): the terminal gets a coloured
 grid and the figures (bubble, peak activations), ``-o`` gets an SVG (or PNG, via rsvg-convert).
-Per-stage costs estimated from MODEL come once the graph phases are connected; until then a
-model file is accepted and unit costs are used.
+With MODEL, the stages' data dependences (skip edges, forward-only stages) come from the traced
+model; the unit costs stay uniform (per-stage costs from MODEL: ``ssdsl cost``).
 """
 
 from __future__ import annotations
@@ -107,7 +107,15 @@ def run(args: argparse.Namespace) -> int:
     plan = elaborate_from_args(targets[-1], args)
     assumed = args.world is None and not any(item.split("=", 1)[0].strip() == "world"
                                              for item in args.sets)
-    lowered = lower_schedule(plan.directives)
+    if len(targets) == 2:
+        # with MODEL: the stage DAG and the forward-only stages (a recycling model's first
+        # passes) come from the traced graph, as under ``ssdsl check MODEL PLAN`` and ``run``
+        from ssdsl.runtime.job import schedule_plan
+        from ssdsl.trace import trace
+        from ssdsl.trace.model_file import load_model_file
+        _, lowered = schedule_plan(trace(load_model_file(targets[0]), device="meta"), plan)
+    else:
+        lowered = lower_schedule(plan.directives)
     if lowered is None:
         raise UsageError(f"plan '{plan.name}' has no 'stages' statement: there is no pipeline "
                          "schedule to show")
