@@ -55,7 +55,7 @@ def test_check_json_lists_the_directives(capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["check", "dp", "--set", "n"], "expected NAME=VALUE"),
-    (["check", "dp", "--set", "n=x"], "'x' is not a int"),
+    (["check", "dp", "--set", "n=x"], "'x' is not an int"),
     (["check", "dp", "--set", "m=2"], "has no parameter 'm'"),
     (["check", "dpp"], "did you mean 'dp'"),
     (["check", "nowhere.ssp"], "no plan file"),

@@ -155,7 +155,8 @@ def _read_value(p: A.Param, text: str) -> Any:
                           f"+-{MAX_INT:,} (64 bits)", p.span)
     if value is None or convert(value, p.type) is None:
         shown = text if len(text) <= 40 else text[:37] + "..."
-        raise BadSetValue(f"--set {p.name}={shown}: '{shown}' is not a {p.type}", p.span,
+        article = "an" if str(p.type)[:1] in "aeiou" else "a"
+        raise BadSetValue(f"--set {p.name}={shown}: '{shown}' is not {article} {p.type}", p.span,
                           hint=f"parameter '{p.name}' is declared {p.type}")
     return convert(value, p.type)
 
