@@ -136,10 +136,25 @@ class ErrorCollector:
         return _Catch(self)
 
     def raise_if_any(self) -> None:
-        if len(self.errors) == 1:
-            raise self.errors[0]
-        if self.errors:
-            raise ErrorGroup(self.errors)
+        errors = _distinct(self.errors)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ErrorGroup(errors)
+
+
+def _distinct(errors: list[SsdslError]) -> list[SsdslError]:
+    """``errors`` without repeats: the same statement failing the same way again (in each turn of
+    a ``for`` loop) is one error."""
+    seen: set[tuple] = set()
+    out = []
+    for e in errors:
+        key = (type(e), getattr(e, "file", None), str(e.span) if e.span is not None else None,
+               e.message, getattr(e, "hint", None))
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
 
 
 class _Catch:

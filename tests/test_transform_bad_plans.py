@@ -159,3 +159,18 @@ def test_an_assign_of_parts_a_failed_split_would_have_made_adds_no_error(tmp_pat
         schedule_plan(graph, elaborate_file(shifted, world=2))
     errors = info.value.errors if isinstance(info.value, ErrorGroup) else [info.value]
     assert any("device 2" in e.message for e in errors), [e.message for e in errors]
+
+
+def test_a_statement_failing_alike_in_every_turn_of_a_loop_is_one_error(tmp_path):
+    """An assign in a ``for`` loop that fails the same way each turn: one error, not one per
+    turn (the same line, message and hint)."""
+    from ssdsl.cli import main
+    plan = tmp_path / "loop.ssp"
+    plan.write_text("plan p()\npartition all along batch into 2\nfor i in 0..2:\n"
+                    "    assign part i of all to devices [0, 1, 2]\n")
+    with pytest.raises(SsdslError) as info:
+        transform(graph_of(EXAMPLES / "mlp.py"), elaborate_file(plan, world=4))
+    assert not isinstance(info.value, ErrorGroup), info.value
+    assert type(info.value).__name__ == "PartCountMismatch" and info.value.span.line == 4
+    assert "has 1 part," in info.value.message
+    assert main(["check", str(EXAMPLES / "mlp.py"), str(plan), "--world", "4"]) == 2

@@ -343,7 +343,8 @@ class _Builder:
             chosen = [p for p in self.parts[name] if p.index[:len(prefix)] == prefix]
             if len(d.devices) > 1 and chosen and len(chosen) != len(d.devices):
                 raise PartCountMismatch(
-                    f"operator '{name}' has {len(chosen)} parts, which cannot be spread one per "
+                    f"operator '{name}' has {len(chosen)} part{'s' if len(chosen) != 1 else ''}"
+                    f", which cannot be spread one per "
                     f"device over {len(d.devices)} devices", d.span,
                     hint="partition or replicate it into as many parts as devices")
             devices = {p.index: dev for p, dev in zip(row_major(chosen), d.devices)} \
