@@ -72,7 +72,7 @@ def train_in_process(path: Path, m, programs, *, steps: int, optimizer: Optimize
     for p in programs:
         state = init_state(m, p.rank, model)
         zero = zero_shards(p, state.leaves)
-        opts[p.rank] = build_optimizer(optimizer, mf, optimizer_params(state.leaves, zero))
+        opts[p.rank] = build_optimizer(optimizer, mf, *optimizer_params(state.leaves, zero))
         runners[p.rank] = SimRunner(p.rank, state, dtype=m.dtype, opt=opts[p.rank],
                                     exchange=None, zero=zero)
     losses = []
@@ -118,6 +118,18 @@ def test_dp_zero_trains_like_one_device(stage, optimizer):
     check_programs(progs, m=m)
     losses, params, _ = train_in_process(MLP, m, progs, steps=3, optimizer=optimizer)
     _assert_matches_reference(MLP, losses, params, steps=3, optimizer=optimizer)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_dp_zero_keeps_the_models_parameter_groups(stage):
+    """The model's own optimizer groups its weights by ``p.dim()`` (decay and rate per group):
+    each rank's chunks are stepped in the groups of the weights they hold (oracle: the plain
+    model with that optimizer)."""
+    model = ROOT / "tests" / "models" / "grouped_optimizer.py"
+    model_opt = OptimizerSpec("model")
+    m, progs = _lower(model, _dp_zero(2, stage))
+    losses, params, _ = train_in_process(model, m, progs, steps=3, optimizer=model_opt)
+    _assert_matches_reference(model, losses, params, steps=3, optimizer=model_opt)
 
 
 def test_uneven_bucket_is_padded():

@@ -823,7 +823,7 @@ class Runner(Handler):
                 leaf.grad = torch.zeros_like(leaf)
         for shard in self.zero.values():
             if shard.param.grad is None:
-                shard.param.grad = torch.zeros_like(shard.param)
+                shard.link_grads()
         if self.opt is not None:
             self.opt.step()
 
@@ -1121,7 +1121,7 @@ class RankProgram:
         # the optimizer steps only this rank's chunk of a ZeRO-sharded bucket
         self.zero = zero_shards(self.program, self.state.leaves)
         self.opt = build_optimizer(optimizer, model_file,
-                                   optimizer_params(self.state.leaves, self.zero))
+                                   *optimizer_params(self.state.leaves, self.zero))
         self.runner = DistRunner(rank, self.state, dtype=dtype, opt=self.opt, groups=groups,
                                  zero=self.zero)
         self._early: tuple | None = None  # early_receives(program), on the first whole step

@@ -65,7 +65,9 @@ class OptimizerSpec:
 
 
 def build_optimizer(spec: OptimizerSpec, model_file: ModelFile,
-                    params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+                    params: Iterable[torch.nn.Parameter],
+                    substitute: dict[int, list[torch.nn.Parameter]] | None = None
+                    ) -> torch.optim.Optimizer:
     """The optimizer of ``spec`` over ``params`` (all parameters, or one rank's local shards).
 
     Element-wise optimizers (SGD, Adam, AdamW) give on a shard exactly the slice of the update on
@@ -84,10 +86,16 @@ def build_optimizer(spec: OptimizerSpec, model_file: ModelFile,
                     group["lr"].fill_(spec.lr)
                 else:
                     group["lr"] = spec.lr
-        return opt
-    cls = torch.optim.SGD if spec.kind == "sgd" else torch.optim.AdamW
-    lr = spec.lr if spec.lr is not None else model_lr(model_file, cls)
-    return cls(params, lr=lr)
+    else:
+        cls = torch.optim.SGD if spec.kind == "sgd" else torch.optim.AdamW
+        lr = spec.lr if spec.lr is not None else model_lr(model_file, cls)
+        opt = cls(params, lr=lr)
+    if substitute:  # ZeRO: each weight of a sharded bucket stepped as its pieces of the chunk,
+        # in the group the optimizer put the weight in (nothing has been stepped yet)
+        for group in opt.param_groups:
+            group["params"] = [q for p in group["params"]
+                               for q in substitute.get(id(p), [p])]
+    return opt
 
 
 # Optimizers whose step divides by a running gradient scale: their learning rate is a step in

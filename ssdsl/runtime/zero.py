@@ -44,6 +44,11 @@ class ZeroShard:
     chunk: int  # elements per chunk (the buffer holds ``chunk * len(group)``)
     store: torch.Tensor | None = None  # stage 3: the padded chunk that persists
     work: object = None  # stage 3: an all-gather in flight into the buffer
+    # what the optimizer steps: for each entry of the bucket with elements in [lo, hi), a
+    # Parameter viewing that stretch of ``param``, and its offsets in ``param``; each goes to the
+    # parameter group the model file's ``make_optimizer`` gives the entry's weight, so that
+    # groups (no weight decay for biases, another rate for the head) hold under ZeRO too
+    pieces: list = attrs.field(factory=list)  # [(entry index, a, b, Parameter)]
 
     @property
     def padded_chunk(self) -> torch.Tensor:
@@ -74,6 +79,14 @@ class ZeroShard:
     def set_grad(self, chunk_grad: torch.Tensor) -> None:
         """The reduced gradient of this rank's chunk (padding left out)."""
         self.param.grad = chunk_grad[:self.hi - self.lo].clone()
+        self.link_grads()
+
+    def link_grads(self) -> None:
+        """Each piece's gradient: its stretch of ``param.grad`` (zeros when there is none)."""
+        if self.param.grad is None:
+            self.param.grad = torch.zeros_like(self.param)
+        for _, a, b, piece in self.pieces:
+            piece.grad = self.param.grad[a:b]
 
     def gathered(self, full: torch.Tensor) -> None:
         """Every member's updated chunk, in group order: into the buffer, so into the weights."""
@@ -111,6 +124,13 @@ def zero_shards(program: Program, leaves: Mapping[LeafKey, torch.nn.Parameter]
         else:
             shard = ZeroShard(ins, buffer, torch.nn.Parameter(buffer[lo:hi]), lo, hi, index,
                               chunk)
+        offset = 0
+        for i, w in enumerate(weights):
+            a, b = max(lo, offset), min(hi, offset + w.numel())
+            if a < b:  # this weight has elements in the chunk: a view of them
+                view = shard.param.detach()[a - lo:b - lo]
+                shard.pieces.append((i, a - lo, b - lo, torch.nn.Parameter(view)))
+            offset += w.numel()
         out[ins.bucket] = shard
     return out
 
@@ -128,11 +148,22 @@ def rebuild_weights(shards: Mapping[int, Mapping[int, ZeroShard]]) -> None:
 
 
 def optimizer_params(leaves: Mapping[LeafKey, torch.nn.Parameter],
-                     shards: Mapping[int, ZeroShard]) -> list[torch.nn.Parameter]:
-    """What this rank's optimizer steps: every weight outside the sharded buckets, then the
-    chunk of each sharded bucket."""
-    sharded = {e for s in shards.values() for e in s.ins.entries}
-    return [w for k, w in leaves.items() if k not in sharded] + [s.param for s in shards.values()]
+                     shards: Mapping[int, ZeroShard]
+                     ) -> tuple[list[torch.nn.Parameter], dict[int, list[torch.nn.Parameter]]]:
+    """What this rank's optimizer is built over, and what it steps instead.
+
+    The optimizer is made over this rank's weights as they are (their shapes and order, so
+    that a ``make_optimizer`` that groups them, by ``p.dim()`` or otherwise, groups them as on
+    one device); each weight of a sharded bucket is then replaced, in its group, by its pieces
+    of this rank's chunk (``ZeroShard.pieces``; none where the chunk holds none of it):
+    ``{id(weight): pieces}``."""
+    substitute: dict[int, list[torch.nn.Parameter]] = {}
+    for s in shards.values():
+        for e in s.ins.entries:
+            substitute.setdefault(id(leaves[e]), [])
+        for i, _, _, piece in s.pieces:
+            substitute[id(leaves[s.ins.entries[i]])].append(piece)
+    return list(leaves.values()), substitute
 
 
 def model_state_bytes(leaves: Mapping[LeafKey, torch.nn.Parameter],
