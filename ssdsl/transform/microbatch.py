@@ -52,6 +52,11 @@ class UnevenMicrobatches(TransformError):
     """Micro-batches would run different sub-operators (the batch does not split evenly)."""
 
 
+class BufferUpdatedPerForward(TransformError):
+    """The forward updates a buffer in place (a call counter, a batch norm's
+    ``num_batches_tracked``): once a step on one device, once per micro-batch here."""
+
+
 def split_microbatches(t: Transformed, d: Microbatch) -> Transformed:
     """``t`` split in time into ``d.count`` micro-batches along ``d.dim`` (see the module doc)."""
     if d.count == 1:
@@ -59,6 +64,7 @@ def split_microbatches(t: Transformed, d: Microbatch) -> Transformed:
     fast = _by_shift(t, d)
     if fast is not None:
         local0, boxes = fast
+        _refuse_buffer_updates(t, d)
         return _result(t, d, local0, boxes)
     per_mb, dtype_reads = _split(t, d)
     boxes = [_boxes(t, mb, dtype_reads) for mb in per_mb]
@@ -68,7 +74,32 @@ def split_microbatches(t: Transformed, d: Microbatch) -> Transformed:
         if _sizes(boxes[k]) != _sizes(boxes[0]):
             raise UnevenMicrobatches(f"micro-batch {k} covers a differently shaped slice of the "
                                      "tensors than micro-batch 0", d.span)
+    _refuse_buffer_updates(t, d)
     return _result(t, d, local[0], boxes)
+
+
+def _refuse_buffer_updates(t: Transformed, d: Microbatch) -> None:
+    """``BufferUpdatedPerForward`` where an operator writes a buffer in place: every micro-batch
+    runs the forward's operators, so the update would happen ``d.count`` times a step (a
+    counter would count micro-batches), against once on one device."""
+    buffers = t.graph.buffers
+    for op in t.graph.ops:
+        if not op.inputs or op.inputs[0] not in buffers or not _writes_in_place(op.target):
+            continue
+        name = buffers[op.inputs[0]]
+        raise BufferUpdatedPerForward(
+            f"'{op.name}' ({op.kind}{', in ' + op.module if op.module else ''}) updates buffer "
+            f"'{name}' in place, once per forward; split into {d.count} micro-batches, the "
+            f"forward runs {d.count} times a step, and the update with it", d.span,
+            hint="run the plan without micro-batches (`microbatches=1`, or no `microbatch` "
+            "statement), or keep the update out of the forward (in the training loop, once a "
+            "step)", origin=t.graph.origin(op.name))
+
+
+def _writes_in_place(target: str) -> bool:
+    """``aten.add_.Tensor``: an ATen op that writes its first argument (its name ends in ``_``)."""
+    name = target.split(".")[1] if target.count(".") >= 2 else target
+    return name.endswith("_") and not name.endswith("__")
 
 
 def _result(t: Transformed, d: Microbatch, local0: dict[str, list[Part]],
