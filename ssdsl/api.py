@@ -51,8 +51,11 @@ class ParallelModel:
     """This rank's share of a model trained under a plan (made by ``parallelize``)."""
 
     def __init__(self, program: RankProgram, materialized: Materialized, ctx: sdist.DistContext,
-                 *, state_keys: list[str], spec: JobSpec):
+                 *, state_keys: list[str], spec: JobSpec,
+                 untraced: dict[str, torch.Tensor] | None = None):
         self._program = program
+        # the state entries no operator reads (``checkpoint.untraced_state``): as built
+        self._untraced = untraced or {}
         self.plan = materialized
         self.rank = ctx.rank
         self.world_size = ctx.world_size
@@ -104,13 +107,15 @@ class ParallelModel:
         Collective: every rank must call it; every rank gets the result."""
         shards = sdist.all_gather_objects(ckpt.program_shards(self._program))
         return ckpt.model_state((s for r in shards for s in r[0]), (s for r in shards for s in r[1]),
-                                aliases=self._program.graph.aliases, state_keys=self._state_keys)
+                                aliases=self._program.graph.aliases, state_keys=self._state_keys,
+                                untraced=self._untraced)
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Each rank writes its shards and optimizer state to ``directory`` (collective); merge
         with ``ssdsl merge DIR -o FILE`` or ``ssdsl.runtime.checkpoint.merge_checkpoint``."""
         ckpt.save_program(self._program, directory, step=self.step, state_keys=self._state_keys,
-                          model=self._spec.model, plan=self._spec.plan)
+                          model=self._spec.model, plan=self._spec.plan,
+                          untraced=self._untraced if self.rank == 0 else None)
 
     def load_checkpoint(self, path: str | Path) -> int:
         """Load a checkpoint directory (parameters, optimizer state, step) or a state-dict file
@@ -182,7 +187,10 @@ def parallelize(model: str | Path | torch.nn.Module, plan: str, *,
         warnings.warn(f"ssdsl: {verification.line()}", stacklevel=2)
     program = RankProgram(m, ctx.rank, mf, source, dtype=DTYPES[dtype],
                           optimizer=OptimizerSpec(optimizer, lr), groups=create_groups(m))
-    pm = ParallelModel(program, m, ctx, state_keys=ckpt.state_keys_of(mf, seed=seed), spec=spec)
+    state_keys = ckpt.state_keys_of(mf, seed=seed)
+    pm = ParallelModel(program, m, ctx, state_keys=state_keys, spec=spec,
+                       untraced=ckpt.untraced_state(source, m.transformed.graph, state_keys,
+                                                    DTYPES[dtype]))
     pm.verification = verification
     return pm
 

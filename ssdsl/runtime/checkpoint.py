@@ -84,7 +84,8 @@ def current_umask() -> int:
 # ----------------------------------------------------------------------------- one rank
 
 
-def rank_checkpoint(program: Any, *, step: int, state_keys: Sequence[str]) -> dict[str, Any]:
+def rank_checkpoint(program: Any, *, step: int, state_keys: Sequence[str],
+                    untraced: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """What rank ``program.rank`` saves: its parameter and buffer shards, and the optimizer
     state of each parameter shard. ``state_keys``: the model's ``state_dict`` names (for tied
     parameters and persistent buffers); ``step``: the number of steps trained so far."""
@@ -104,7 +105,7 @@ def rank_checkpoint(program: Any, *, step: int, state_keys: Sequence[str]) -> di
     return {"version": CHECKPOINT_VERSION, "step": step, "params": params, "buffers": buffers,
             "optimizer": opt_state, "param_groups": groups,
             "aliases": {q: list(a) for q, a in graph.aliases.items()},
-            "state_keys": list(state_keys)}
+            "state_keys": list(state_keys), "untraced": dict(untraced or {})}
 
 
 def save_rank(directory: str | Path, rank: int, data: Mapping[str, Any]) -> Path:
@@ -141,12 +142,16 @@ def merge_shards(shards: Iterable[Shard]) -> dict[str, torch.Tensor]:
 
 
 def model_state(params: Iterable[Shard], buffers: Iterable[Shard] = (), *,
-                aliases: Mapping[str, Sequence[str]], state_keys: Sequence[str] = ()
+                aliases: Mapping[str, Sequence[str]], state_keys: Sequence[str] = (),
+                untraced: Mapping[str, torch.Tensor] | None = None
                 ) -> dict[str, torch.Tensor]:
     """A state dict the plain model loads strictly: merged parameters under every tied name,
     merged buffers, in the order (and, when ``state_keys`` is given, with only the keys) of the
-    model's own ``state_dict``."""
+    model's own ``state_dict``. ``untraced``: the entries the traced step never reads (an
+    unused submodule, a buffer kept for bookkeeping), which training leaves as built."""
     merged = merge_shards(params)
+    for k, v in (untraced or {}).items():
+        merged.setdefault(k, v)
     merged.update({k: v for k, v in merge_shards(buffers).items() if k not in merged})
     for qual, others in aliases.items():
         if qual in merged:
@@ -207,7 +212,9 @@ def merge_checkpoint(directory: str | Path) -> dict[str, Any]:
     return {"version": CHECKPOINT_VERSION, "step": first["step"],
             "model": model_state((s for r in ranks for s in r["params"]),
                                  (s for r in ranks for s in r["buffers"]),
-                                 aliases=first["aliases"], state_keys=first["state_keys"]),
+                                 aliases=first["aliases"], state_keys=first["state_keys"],
+                                 untraced=next((r["untraced"] for r in ranks
+                                                if r.get("untraced")), None)),
             "optimizer": optimizer, "param_groups": first["param_groups"]}
 
 
@@ -266,6 +273,29 @@ def _lookup(state: Mapping[str, torch.Tensor], qual: str, aliases: Sequence[str]
 # ----------------------------------------------------------------------------- inside a job
 
 
+def untraced_state(source: Any, graph: Any, state_keys: Sequence[str],
+                   dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's ``state_dict`` entries that no traced operator reads (a submodule the
+    forward never calls, a persistent buffer kept for bookkeeping), whole, from the job's
+    initial state ``source`` (its state file, or the seeded model): no rank holds a shard of
+    them, and training leaves them as built (they get no gradient), so a saved state takes
+    them from there. Floats in ``dtype``, as ``model.to(dtype)`` casts them."""
+    from ssdsl.runtime.init import read_entry
+    read = {name for op in graph.ops for name in op.inputs}
+    held = {qual for name, qual in {**graph.params, **graph.buffers}.items() if name in read}
+    for qual in list(held):
+        held.update(graph.aliases.get(qual, ()))
+    out: dict[str, torch.Tensor] = {}
+    for key in state_keys:
+        if key in held:
+            continue
+        value = read_entry(source, key)
+        if value is not None:
+            out[key] = value.to(dtype) if dtype is not None and value.is_floating_point() \
+                else value
+    return out
+
+
 def state_keys_of(model_file: Any, *, seed: int = 0) -> list[str]:
     """The names of the model's ``state_dict``, from a build on the meta device (nothing is
     allocated): tied parameters under each name, persistent buffers only."""
@@ -283,12 +313,14 @@ def program_shards(program: Any) -> tuple[list[Shard], list[Shard]]:
 
 
 def save_program(program: Any, directory: str | Path, *, step: int, state_keys: Sequence[str],
-                 model: str, plan: str) -> None:
+                 model: str, plan: str, untraced: Mapping[str, torch.Tensor] | None = None
+                 ) -> None:
     """Every rank writes its file; after a barrier rank 0 marks the checkpoint complete.
     Collective: every rank of the job must call it."""
     import torch.distributed as dist
 
-    save_rank(directory, program.rank, rank_checkpoint(program, step=step, state_keys=state_keys))
+    save_rank(directory, program.rank, rank_checkpoint(program, step=step, state_keys=state_keys,
+                                                       untraced=untraced))
     world = dist.get_world_size() if dist.is_initialized() else 1
     if dist.is_initialized():
         dist.barrier()

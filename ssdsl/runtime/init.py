@@ -145,10 +145,17 @@ class StateFile:
     def read(self, graph: Graph, name: str, region: Region) -> torch.Tensor | None:
         """``region`` of graph tensor ``name`` (a parameter or buffer), None if not stored."""
         qual = {**graph.params, **graph.buffers}.get(name)
-        entry = next((self._header[q] for q in (qual, *graph.aliases.get(qual, ()))
-                      if q in self._header), None) if qual else None
+        found = next((q for q in (qual, *graph.aliases.get(qual, ())) if q in self._header),
+                     None) if qual else None
+        return None if found is None else self.read_entry(found, region)
+
+    def read_entry(self, qual: str, region: Region | None = None) -> torch.Tensor | None:
+        """``region`` (default: all) of the state entry stored under ``qual``, None if none."""
+        entry = self._header.get(qual)
         if entry is None:
             return None
+        if region is None:
+            region = Region.full(tuple(entry["shape"]))
         dtype = getattr(torch, entry["dtype"])
         out = torch.empty(region.local_shape, dtype=dtype)
         if out.numel() == 0:
@@ -160,9 +167,20 @@ class StateFile:
             n = length * item
             got = os.preadv(self._fd, [buf[at:at + n]], self._base + entry["offset"] + offset * item)
             if got != n:
-                raise OSError(f"{self.path}: short read of '{name}'")
+                raise OSError(f"{self.path}: short read of '{qual}'")
             at += n
         return out
+
+
+def read_entry(source: Any, qual: str) -> torch.Tensor | None:
+    """The whole value of the model's state entry ``qual`` in ``source`` (a ``StateFile``, or
+    the seeded model itself), None where it holds none."""
+    if isinstance(source, torch.nn.Module):
+        got = source.state_dict().get(qual)
+        return None if got is None else got.detach().clone()
+    if isinstance(source, StateFile):
+        return source.read_entry(qual)
+    return None
 
 
 def _spans(shape: tuple[int, ...], intervals: tuple) -> Iterator[tuple[int, int]]:

@@ -260,8 +260,11 @@ def rank_main(spec: JobSpec) -> dict[str, Any] | None:
         report_event(Phase("building this rank's shards"))
         groups = create_groups(m)
         prog = _rank_program(spec, m, ctx.rank, mf, source, groups)
-        del source  # this rank keeps only its shards
         state_keys = ckpt.state_keys_of(mf, seed=spec.seed)
+        # what no operator reads, kept by rank 0 for the saved state (``untraced_state``)
+        untraced = ckpt.untraced_state(source, prog.graph, state_keys, DTYPES[spec.dtype]) \
+            if ctx.rank == 0 else {}
+        del source  # this rank keeps only its shards
         start = ckpt.resume_program(prog, spec.resume) if spec.resume else 0
         bs = spec.batch_size or mf.batch_size
         metrics = MetricsCollector(rank=ctx.rank, samples_per_step=bs, device=ctx.device,
@@ -282,7 +285,7 @@ def rank_main(spec: JobSpec) -> dict[str, Any] | None:
         if spec.checkpoint:
             report_event(Phase("saving the checkpoint"))
             ckpt.save_program(prog, spec.checkpoint, step=spec.steps, state_keys=state_keys,
-                              model=spec.model, plan=spec.plan)
+                              model=spec.model, plan=spec.plan, untraced=untraced)
         shards = sdist.gather_objects(ckpt.program_shards(prog))
         summaries = sdist.gather_objects(metrics.summary())
         if ctx.rank != 0:
@@ -290,7 +293,8 @@ def rank_main(spec: JobSpec) -> dict[str, Any] | None:
         return {"losses": losses, "first_step": start,
                 "params": ckpt.model_state((s for r in shards for s in r[0]),
                                            (s for r in shards for s in r[1]),
-                                           aliases=prog.graph.aliases, state_keys=state_keys),
+                                           aliases=prog.graph.aliases, state_keys=state_keys,
+                                           untraced=untraced),
                 "ranks": summaries, "accounting": m.accounting()}
 
 
