@@ -49,3 +49,20 @@ def test_the_counter_counts_steps_as_on_one_device(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["check"]["ok"], out["check"]
     assert int(torch.load(saved)["calls"]) == 3
+
+
+AVERAGE = Path(__file__).resolve().parent / "models" / "running_average.py"
+
+
+def test_a_running_average_from_a_detached_tensor_is_verified():
+    """The rewrite the refusal of a ``with torch.no_grad():`` block hints at
+    (tests/models_bad/forward_no_grad_block.py) traces, and a data-parallel step computes the
+    average over the whole batch, as on one device."""
+    got = verify_before_launch(JobSpec(str(AVERAGE), "dp"), 2)
+    assert got.status == "verified", got.reason
+
+
+@pytest.mark.slow  # two rank processes
+def test_the_running_average_trains_like_the_plain_model(capsys):
+    from tests.checked_run import assert_gloo_run_matches
+    assert_gloo_run_matches(capsys, AVERAGE, "dp", 2, steps=3)

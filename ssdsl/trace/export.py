@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from ssdsl.errors import SsdslError
+from ssdsl.source import Span, file_line, shown_path
 from ssdsl.ir.grad import grad_tensors, loss_grad_tensors
 from ssdsl.ir.graph import Graph, Op, TensorInfo, TensorRef
 from ssdsl.trace.aligned import align_arange_indices
@@ -173,6 +174,7 @@ def graph_from_export(ep: torch.export.ExportedProgram,
         if node.op == "placeholder":
             _add_tensor(tensors, node.name, node.meta.get("val"))
         elif node.op == "call_function":
+            _refuse_unsupported(ep, node)
             op = _convert(node, alias, tensors)
             if op is not None:
                 ops.append(op)
@@ -279,6 +281,45 @@ def _aliases(model: torch.nn.Module | None, params: Mapping[str, str]) -> dict:
 def _add_tensor(tensors: dict[str, TensorInfo], name: str, val: Any) -> None:
     if isinstance(val, torch.Tensor):
         tensors[name] = TensorInfo(name, tuple(int(s) for s in val.shape), str(val.dtype))
+
+
+def _refuse_unsupported(ep: torch.export.ExportedProgram, node: torch.fx.Node) -> None:
+    """A call the graph cannot hold, refused at the model's line: a ``with torch.no_grad():``
+    (or ``enable_grad``) block in the forward, which torch.export wraps as a region of its own,
+    says what to write instead."""
+    if node.target is operator.getitem or isinstance(node.target, torch._ops.OpOverload):
+        return
+    at = _user_line(node)
+    name = getattr(node.target, "__name__", str(node.target))
+    if name == "wrap_with_set_grad_enabled":
+        inner = getattr(ep.graph_module, node.args[1].target, None) if len(node.args) > 1 \
+            else None
+        for n in inner.graph.nodes if inner is not None else ():
+            at = at or _user_line(n)
+        raise TraceError(
+            "the forward switches autograd off or on inside itself (a `with torch.no_grad():` "
+            "block, as a buffer's running average or a router's bookkeeping is written): "
+            "ssdsl traces the forward as one differentiable graph", at,
+            hint="compute the block's values from detached tensors instead (`x.detach()`: "
+            "no gradient flows through them, as under no_grad) and drop the `with`, or move "
+            "the bookkeeping out of the forward")
+    raise TraceError(f"unsupported call in the exported graph: {name} (node {node.name})", at,
+                     hint="this kind of call is not an ATen operator; write the forward "
+                     "without it")
+
+
+def _user_line(node: torch.fx.Node) -> Span | None:
+    """The innermost line of the user's code in ``node``'s stack trace (its origin)."""
+    import re
+    found = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    ssdsl_dir = str(Path(__file__).resolve().parents[1])
+    ours = [(f, int(n)) for f, n in found if not f.startswith("<")
+            and not str(Path(f).resolve()).startswith((torch_dir, ssdsl_dir))]
+    if not ours:
+        return None
+    path, line = ours[-1]
+    return file_line(path, line, shown_path(path))
 
 
 def _convert(node: torch.fx.Node, alias: dict[str, str], tensors: dict[str, TensorInfo]
