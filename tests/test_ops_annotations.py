@@ -27,6 +27,11 @@ def ints(high: int, *shape: int) -> torch.Tensor:
     return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(high))
 
 
+# per row, three distinct columns of six
+UNIQUE = torch.stack([torch.randperm(6, generator=torch.Generator().manual_seed(k))[:3]
+                      for k in range(4)])
+
+
 def _elementwise_samples() -> dict[str, list]:
     s: dict[str, list] = {}
     for n in UNARY:
@@ -243,6 +248,15 @@ def _samples() -> dict[str, list]:
         "aten.tril.default": [([r(2, 4, 4)], {})],
         "aten.gather.default": [([r(4, 6), 1, ints(6, 4, 3)], {}), ([r(4, 6), 0, ints(4, 4, 6)], {}),
                                 ([r(4, 6), 1, ints(6, 2, 3)], {})],
+        # repeated indices add up; ``scatter`` and ``scatter_reduce`` get one index per place
+        # (``UNIQUE``: which of two writes wins is not defined)
+        "aten.scatter_add.default": [([r(4, 6), 1, ints(6, 4, 3), r(4, 3, seed=1)], {}),
+                                     ([r(4, 6), 0, ints(4, 2, 6), r(2, 6, seed=1)], {}),
+                                     ([r(4, 6), 1, ints(6, 2, 3), r(3, 3, seed=1)], {})],
+        "aten.scatter.src": [([r(4, 6), 1, UNIQUE, r(4, 3, seed=1)], {})],
+        "aten.scatter_reduce.two": [([r(4, 6), 1, UNIQUE, r(4, 3, seed=1), "sum"], {}),
+                                    ([r(4, 6), 1, ints(6, 4, 3), r(4, 3, seed=1), "amax"],
+                                     {"include_self": False})],
         "aten.pad.default": [([r(2, 4, 6), [1, 2]], {}), ([r(2, 4, 6), [0, 0, 1, 1], "constant", 0.5],
                                                       {}),
                              ([r(2, 4, 6), [0, 0, 1, 2]], {}), ([r(2, 4, 6), [0, 0, 0, 0]], {}),

@@ -402,6 +402,36 @@ def gather(call: Call) -> Annotation:
                       frozen=frozen)
 
 
+@register("aten.scatter_add.default")
+@register("aten.scatter.src")
+@register("aten.scatter_reduce.two")
+def scatter(call: Call) -> Annotation:
+    """``x.scatter_add(d, idx, src)`` (``scatter``, ``scatter_reduce``): ``out[.., idx[.., i, ..],
+    ..] (+)= src[.., i, ..]`` along ``d``. Dim ``d`` is written by index in ``x`` and read in
+    order in ``idx`` and ``src`` (all frozen: a part of ``idx`` may write anywhere in ``d``);
+    every other dim is shared by ``x``, ``idx``, ``src`` and the output when they have its
+    size (a part writes only its own rows), else frozen in all of them (``idx`` covers only
+    the first entries)."""
+    src = call.shape(0, "self")
+    d = norm_dim(call.arg(1, "dim"), len(src))
+    idx = call.shape(2, "index")
+    val = call.shape(3, "src")
+    labels = dims(len(src))
+    x_labels = [f"v{k}" if k == d else labels[k] for k in range(len(src))]
+    i_labels = [f"w{k}" if k == d else labels[k] for k in range(len(idx))]
+    s_labels = [f"u{k}" if k == d else labels[k] for k in range(len(val))]
+    why = "scattered into by index"
+    frozen = {f"v{d}": why, f"w{d}": why, f"u{d}": why}
+    for k in range(len(src)):
+        if k != d and not (src[k] == idx[k] == val[k]):
+            x_labels[k], i_labels[k], s_labels[k] = f"v{k}", f"w{k}", f"u{k}"
+            frozen.update({f"v{k}": "the index covers only its first entries",
+                           f"w{k}": "the index covers only the first entries of the input",
+                           f"u{k}": "the index covers only the first entries of the input"})
+    return Annotation((plain(x_labels, src), plain(i_labels, idx), plain(s_labels, val)),
+                      (plain(x_labels, src),), frozen=frozen)
+
+
 @register("aten.flip.default")
 def flip(call: Call) -> Annotation:
     """``x.flip(dims)``: the flipped dims whole (a part's output comes from the mirrored part of
