@@ -8,7 +8,10 @@ allocated, so a model far larger than memory can be planned.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import operator
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -82,8 +85,11 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
     dtype = _float_dtype_of(model)
     batch = tuple(t.to(dev, dtype) if dtype is not None and t.is_floating_point() else t.to(dev)
                   for t in (*inputs, target))
+    # torch.export prints the partial graph of a failed trace to stderr (hundreds of lines for
+    # a transformer): held back, and written out only when the trace succeeds (its warnings)
+    held = io.StringIO()
     try:
-        with quiet_torch_logs():
+        with quiet_torch_logs(), contextlib.redirect_stderr(held):
             ep = torch.export.export(_TrainingForward(model, model_file.loss), batch,
                                      strict=False)
     except SsdslError:
@@ -92,15 +98,32 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
         fault = loss_fault(model_file, exc)
         if fault is not None:
             raise fault from exc
+        at = _stopped_at(getattr(exc, "partial_fx_graph", None))
         raise TraceError(f"torch.export failed on the model's forward and loss: "
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                         file=model_file.path, hint="run with --debug for the full traceback; "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                         + (" (the trace stopped at this line)" if at is not None else ""), at,
+                         file=None if at is not None else model_file.path,
+                         hint="run with --debug for the full traceback; "
                          "data-dependent control flow and unsupported ops are common causes") from exc
+    if held.getvalue():
+        sys.stderr.write(held.getvalue())
     seeds = _input_seeds(model_file, ep, len(inputs))
     graph = graph_from_export(ep, seeds=seeds, model=model)
     graph = _loss_sources(graph, model_file.loss)
     refuse_random_operators(graph, model_file.path, _model_file_lines(ep, model_file.path))
     return graph
+
+
+def _stopped_at(partial_graph: Any) -> Span | None:
+    """The last source line in a failed export's partial graph (``# File: PATH:LINE in f,
+    code: ...``): the statement the trace could not go past (a loop over a data-dependent
+    tensor), or None."""
+    import re
+    found = re.findall(r"# File: (\S+):(\d+) in \w+, code: ", str(partial_graph or ""))
+    if not found:
+        return None
+    path, line = found[-1]
+    return file_line(path, int(line), shown_path(path)) if Path(path).exists() else None
 
 
 def _model_file_lines(ep: torch.export.ExportedProgram, path: str) -> dict[str, int]:
