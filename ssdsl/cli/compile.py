@@ -31,6 +31,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="processes that write the files (default: the cores this process may "
                    "use); the files do not depend on it")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
+                   help="the dtype `ssdsl run --compiled` will train in (default: float32); "
+                   "casts in the forward (.to(x.dtype)) are written in it")
     add_plan_options(p)
     p.set_defaults(func=run)
 
@@ -41,14 +44,15 @@ def run(args: argparse.Namespace) -> int:
                                 write_programs)
     from ssdsl.gcpause import gc_paused
     from ssdsl.materialize.program import materialize
-    from ssdsl.trace import trace
+    from ssdsl.runtime.job import DTYPES, compiled_graph
     from ssdsl.trace.model_file import load_model_file
 
     mf = load_model_file(args.model)
     plan = elaborate_from_args(args.plan, args)
     with gc_paused(keep=True):  # one plan per process: what planning makes lives to the end
-        t, lowered = _resolve(trace(mf, device="meta"), plan)
-        m = materialize(t, schedule=lowered)
+        dtype = DTYPES[args.dtype]
+        t, lowered = _resolve(compiled_graph(mf, dtype), plan)
+        m = materialize(t, dtype=dtype, schedule=lowered)
         programs = lower_and_check(m)
     prov = Provenance.of(args.model, plan)
     texts: dict[str, Any] = {}  # each made as it is written: one module held at a time

@@ -98,4 +98,5 @@ def check_module(module: types.ModuleType, m: Materialized, rank: int) -> None:
     if getattr(module, "DIGEST", None) != expected:
         raise StaleProgram(f"{name} was generated from another plan or model than the one "
                            "being run (digest mismatch)",
-                           hint="regenerate it with `ssdsl compile` for this model and plan")
+                           hint="regenerate it with `ssdsl compile` for this model and plan, "
+                           "with the run's --world, --set and --dtype")

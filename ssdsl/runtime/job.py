@@ -106,11 +106,33 @@ def plan_job(spec: JobSpec, world: int, *, model_file: Any = None
     model = mf.build(seed=spec.seed).to(dtype=dtype)
     if spec.compiled is not None:
         _check_compiled(spec.compiled, world)
-        graph = trace(mf, device="meta", batch_size=spec.batch_size)
+        graph = compiled_graph(mf, dtype, spec.batch_size, model=model)
     else:
         graph = trace(mf, device="cpu", batch_size=spec.batch_size, model=model)
     m = plan_from_graph(spec, world, graph)
     return mf, m, model
+
+
+def compiled_graph(mf: Any, dtype: torch.dtype, batch_size: int | None = None, *,
+                   model: torch.nn.Module | None = None) -> Any:
+    """The graph ``ssdsl compile`` writes the files from, and ``run --compiled`` checks them
+    against: traced on meta in the run's ``dtype`` (a ``.to(x.dtype)`` in the forward is then
+    the run's dtype, not float32), its creation operators' meta devices set to the CPU (a
+    ``.to(x.device)`` would make meta tensors), and its lifted tensor constants (a module-level
+    class-weight tensor) given their values from a trace of the real ``model`` (built when
+    none is given)."""
+    from ssdsl.runtime.init import has_tensor_constants, on_device
+    with torch.device("meta"):
+        meta_model = mf.build(seed=0).to(dtype=dtype)
+    graph = on_device(trace(mf, device="meta", batch_size=batch_size, model=meta_model), "cpu")
+    if has_tensor_constants(graph):
+        if model is None:
+            model = mf.build(seed=0).to(dtype=dtype)
+        real = trace(mf, device="cpu", batch_size=batch_size, model=model)
+        graph = attrs.evolve(graph, constants={
+            k: real.constants.get(k, v) if isinstance(v, torch.Tensor) else v
+            for k, v in graph.constants.items()})
+    return graph
 
 
 # the phase a rank reports when it stands at the gate (``ssdsl.runtime.gate``)
