@@ -625,3 +625,29 @@ def test_stage3_holds_few_layers_gathered_while_it_runs():
     assert len(m.reducer.buckets) == 5
     assert most == {0: 3, 1: 3}
     assert all(not s.allocated for r in runners.values() for s in r.zero.values())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_verification_steps_the_optimizer_each_rank_builds(stage, monkeypatch):
+    """Verification before launch steps every rank's optimizer as its trainer builds it, and
+    compares the shards after it with the plain model's parameters after its own step (oracle):
+    the grouped optimizer passes; one built as before this stop (every ZeRO chunk in the
+    no-decay group: the gradients agree, the steps do not) is refused at the zero statement."""
+    import ssdsl.runtime.zero as zero_module
+    from ssdsl.errors import SsdslError
+    from ssdsl.runtime.job import JobSpec
+    from ssdsl.runtime.preflight import verify_before_launch
+    spec = JobSpec(str(ROOT / "tests" / "models" / "grouped_optimizer.py"), "dp_zero",
+                   (("stage", str(stage)),))
+    assert verify_before_launch(spec, 2).status == "verified"
+
+    def chunks_alone(leaves, shards):
+        sharded = {e for s in shards.values() for e in s.ins.entries}
+        return ([w for k, w in leaves.items() if k not in sharded]
+                + [s.param for s in shards.values()], {})
+    monkeypatch.setattr(zero_module, "optimizer_params", chunks_alone)
+    with pytest.raises(SsdslError) as info:
+        verify_before_launch(spec, 2)
+    err = info.value
+    assert type(err).__name__ == "TrainsDifferently"
+    assert "the optimizer's steps part" in err.message and err.span.line == 12

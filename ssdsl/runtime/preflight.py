@@ -119,7 +119,7 @@ def verify_before_launch(spec: JobSpec, world: int, *, enabled: bool = True,
     if m.dtype != torch.float64:
         try:
             verdict = simulate_step(m, mf, seed=spec.seed, batch_size=spec.batch_size,
-                                    dtype=torch.float64)
+                                    dtype=torch.float64, optimizer=_optimizer_of(spec))
         except SimulatorCannotRun:
             verdict = None
         if verdict is not None and verdict.ok:
@@ -137,12 +137,19 @@ def _simulated(m: Materialized, mf: ModelFile, spec: JobSpec, start: float) -> A
     """``m``'s verdict in its own dtype, or a Verification saying why the simulator did not
     run it; raises the located difference when it trains differently."""
     try:
-        verdict = simulate_step(m, mf, seed=spec.seed, batch_size=spec.batch_size)
+        verdict = simulate_step(m, mf, seed=spec.seed, batch_size=spec.batch_size,
+                                optimizer=_optimizer_of(spec))
     except SimulatorCannotRun as why:
         return Verification("not verified", str(why), time.perf_counter() - start)
     if not verdict.ok:
         raise _difference(m, mf, verdict, seed=spec.seed, batch_size=spec.batch_size)
     return verdict
+
+
+def _optimizer_of(spec: JobSpec) -> Any:
+    """The optimizer the job's ranks build (``--optimizer``, ``--lr``)."""
+    from ssdsl.runtime.train import OptimizerSpec
+    return OptimizerSpec(spec.optimizer, spec.lr)
 
 
 def _verified(verdict: Any, start: float, dtype: str) -> Verification:
@@ -191,18 +198,22 @@ class SimulatorCannotRun(Exception):
 
 
 def simulate_step(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int | None,
-                  dtype: torch.dtype | None = None) -> Any:
+                  dtype: torch.dtype | None = None, optimizer: Any = None) -> Any:
     """One training step of all ranks simulated in this process against the plain model: a
     verdict with ``ok``, ``problems``, ``loss``, ``reference_loss``, ``max_grad_error``;
-    ``dtype``: run the programs in it rather than ``m.dtype``.
+    ``dtype``: run the programs in it rather than ``m.dtype``; ``optimizer`` (the job's
+    ``OptimizerSpec``): every rank steps the optimizer its trainer builds, and the shards after
+    it are compared with the plain model's parameters after its own step.
 
     The one call into the simulator (``ssdsl.runtime.verify``), so that verification covers
     whatever plans the simulator covers."""
     from ssdsl.runtime.verify import PlanVerdict, compare_with_model, simulate_plan
     try:
-        sim = simulate_plan(m, mf, seed=seed, batch_size=batch_size, dtype=dtype)
+        sim = simulate_plan(m, mf, seed=seed, batch_size=batch_size, dtype=dtype,
+                            optimizer=optimizer)
         problems, ref_loss, worst = compare_with_model(m, mf, sim, seed=seed,
-                                                       batch_size=batch_size, dtype=dtype)
+                                                       batch_size=batch_size, dtype=dtype,
+                                                       optimizer=optimizer)
     except ValueError as exc:  # the simulator's refusal of plans it does not run
         raise SimulatorCannotRun(f"the all-ranks simulator cannot run this plan yet ({exc})") \
             from exc
@@ -279,6 +290,11 @@ def _difference(m: Materialized, mf: ModelFile, verdict: Any, *, seed: int,
             "--no-verify would start it anyway")
     span = _param_span(m, verdict.problems)
     why = "the forward values agree; the gradients part"
+    if all("after the optimizer's step" in p for p in verdict.problems):
+        why = "the forward values and the gradients agree; the optimizer's steps part"
+        # a ZeRO bucket's optimizer steps chunks: its statement first
+        span = next((b.span for b in m.reducer.buckets if b.zero and b.span is not None),
+                    span)
     return TrainsDifferently(
         f"one simulated training step differs from the plain model ({why}):\n  {problems}", span,
         hint="the plan (or ssdsl) computes something else than the model here; --no-verify "
@@ -301,6 +317,7 @@ def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: i
     from ssdsl.runtime.comm import combine
     from ssdsl.runtime.executor import init_state
     from ssdsl.runtime.simulate import SimRunner
+    from ssdsl.runtime.zero import zero_shards
 
     t, g = m.transformed, m.transformed.graph
     model = mf.build(seed=seed).to(m.dtype)
@@ -328,8 +345,9 @@ def first_divergence(m: Materialized, mf: ModelFile, *, seed: int, batch_size: i
     programs = lower_plan(m).programs
     runners = {}
     for p in programs:
-        runners[p.rank] = Recorder(p.rank, init_state(m, p.rank, model), dtype=m.dtype,
-                                   exchange=exchange)
+        state = init_state(m, p.rank, model)
+        runners[p.rank] = Recorder(p.rank, state, dtype=m.dtype, exchange=exchange,
+                                   zero=zero_shards(p, state.leaves))
         runners[p.rank].start(batch)
         runners[p.rank].prepare(p)
     run_all({p.rank: walk(p, runners[p.rank]) for p in programs}, exchange)

@@ -52,13 +52,19 @@ class Simulation:
     loss: float
     grads: Mapping[int, Mapping[LeafKey, torch.Tensor]]
     losses: Mapping[int, float | None] = attrs.field(factory=dict)
+    # every rank's parameter shards after its optimizer's step (empty: the optimizer did not
+    # step); a ZeRO stage-3 rank's weights gathered again
+    params: Mapping[int, Mapping[LeafKey, torch.Tensor]] = attrs.field(factory=dict)
 
 
 def simulate_programs(m: Materialized, programs: Sequence[Program], model: torch.nn.Module,
-                      batch: tuple[torch.Tensor, ...], *, dtype: torch.dtype | None = None
+                      batch: tuple[torch.Tensor, ...], *, dtype: torch.dtype | None = None,
+                      optimizer: Any = None, model_file: ModelFile | None = None
                       ) -> Simulation:
     """Run ``programs`` (one per rank) on ``batch`` with shards of ``model``, all in this
-    process; the optimizer does not step.
+    process; the optimizer does not step, unless ``optimizer`` (an ``OptimizerSpec``, with the
+    ``model_file`` whose ``make_optimizer`` it may name) is given: then each rank steps the
+    optimizer its trainer builds (``RankProgram``: ZeRO chunks in their weights' groups).
 
     ``dtype``: the floating dtype to run in, when not the plan's (``m.dtype``): the very
     programs planned in float32 run in float64, the dtypes their calls name included
@@ -71,8 +77,14 @@ def simulate_programs(m: Materialized, programs: Sequence[Program], model: torch
     runners = {}
     for p in programs:
         state = init_state(m, p.rank, model, dtype=run)
-        r = SimRunner(p.rank, state, dtype=run, exchange=exchange,
-                      zero=zero_shards(p, state.leaves), retype=retype)
+        zero = zero_shards(p, state.leaves)
+        opt = None
+        if optimizer is not None:
+            from ssdsl.runtime.train import build_optimizer
+            from ssdsl.runtime.zero import optimizer_params
+            opt = build_optimizer(optimizer, model_file, *optimizer_params(state.leaves, zero))
+        r = SimRunner(p.rank, state, dtype=run, exchange=exchange, zero=zero, retype=retype,
+                      opt=opt)
         r.start(batch)
         r.prepare(p)
         runners[p.rank] = r
@@ -82,7 +94,13 @@ def simulate_programs(m: Materialized, programs: Sequence[Program], model: torch
                     if v.grad is not None}
              for rank, r in runners.items() if r.state.leaves}
     _sharded_grads(runners, grads)
-    return Simulation(loss, grads, {rank: r.loss_total for rank, r in runners.items()})
+    params: dict[int, dict[LeafKey, torch.Tensor]] = {}
+    if optimizer is not None:
+        from ssdsl.runtime.zero import rebuild_weights
+        rebuild_weights({rank: r.zero for rank, r in runners.items()})  # stage 3: sharded
+        params = {rank: {k: v.detach().clone() for k, v in r.state.leaves.items()}
+                  for rank, r in runners.items() if r.state.leaves}
+    return Simulation(loss, grads, {rank: r.loss_total for rank, r in runners.items()}, params)
 
 
 def _sharded_grads(runners: Mapping[int, SimRunner],
@@ -102,9 +120,10 @@ def _sharded_grads(runners: Mapping[int, SimRunner],
 
 def simulate_model_file(m: Materialized, programs: Sequence[Program], model_file: ModelFile, *,
                         seed: int = 0, batch_size: int | None = None,
-                        dtype: torch.dtype | None = None) -> Simulation:
+                        dtype: torch.dtype | None = None, optimizer: Any = None) -> Simulation:
     """``simulate_programs`` on the seeded model (in ``dtype``, default ``m.dtype``) and
-    ``get_batch(0, ...)``."""
+    ``get_batch(0, ...)``; ``optimizer``: each rank steps it (``simulate_programs``)."""
     model = model_file.build(seed=seed).to(m.dtype if dtype is None else dtype)
     inputs, target = model_file.get_batch(0, batch_size)
-    return simulate_programs(m, programs, model, (*inputs, target), dtype=dtype)
+    return simulate_programs(m, programs, model, (*inputs, target), dtype=dtype,
+                             optimizer=optimizer, model_file=model_file)

@@ -118,10 +118,11 @@ def _atol(dtype: torch.dtype) -> float:
 
 
 def simulate_plan(m: Materialized, model_file: ModelFile, *, seed: int = 0,
-                  batch_size: int | None = None, dtype: torch.dtype | None = None
-                  ) -> Simulation:
-    """One training step of every rank at once, in this process, without the optimizer step:
-    every rank's lowered program (``ssdsl.lower.lower_plan``) walked by ``SimRunner``, the same
+                  batch_size: int | None = None, dtype: torch.dtype | None = None,
+                  optimizer: OptimizerSpec | None = None) -> Simulation:
+    """One training step of every rank at once, in this process, without the optimizer step
+    unless ``optimizer`` is given (each rank then steps the one its trainer builds): every
+    rank's lowered program (``ssdsl.lower.lower_plan``) walked by ``SimRunner``, the same
     walk the distributed executor makes. Pipelines, micro-batches and recompute included.
 
     Parameters start from the seeded single-device model (``model_file.build(seed=seed)``), in
@@ -130,7 +131,7 @@ def simulate_plan(m: Materialized, model_file: ModelFile, *, seed: int = 0,
     """
     _check_simulable(m)
     return simulate_model_file(m, lower_plan(m).programs, model_file, seed=seed,
-                               batch_size=batch_size, dtype=dtype)
+                               batch_size=batch_size, dtype=dtype, optimizer=optimizer)
 
 
 def _check_simulable(m: Materialized) -> None:
@@ -143,13 +144,16 @@ def _check_simulable(m: Materialized) -> None:
 
 def compare_with_model(m: Materialized, model_file: ModelFile, sim: Simulation, *,
                        seed: int = 0, rtol: float | None = None, batch_size: int | None = None,
-                       dtype: torch.dtype | None = None) -> tuple[list[str], float, float]:
+                       dtype: torch.dtype | None = None, optimizer: OptimizerSpec | None = None
+                       ) -> tuple[list[str], float, float]:
     """Problems of ``sim`` (step 0) against the plain model (``run_reference``), the reference
     loss, and the largest gradient error relative to the largest reference gradient entry.
-    ``dtype``: what ``sim`` ran in, when not ``m.dtype`` (``simulate_plan``)."""
+    ``dtype``: what ``sim`` ran in, when not ``m.dtype`` (``simulate_plan``). Where the ranks
+    stepped ``optimizer`` (``sim.params``), their shards after it are compared too, relative
+    to the largest entry of the plain model's update."""
     run = m.dtype if dtype is None else dtype
     ref = run_reference(model_file, steps=1, seed=seed, dtype=run, batch_size=batch_size,
-                        optimizer=OptimizerSpec("sgd"), grad_steps=(0,))
+                        optimizer=optimizer or OptimizerSpec("sgd"), grad_steps=(0,))
     ref_loss, ref_grads = ref.losses[0], ref.grads[0]
     g = m.transformed.graph
     scale = max(float(t.abs().max()) for t in ref_grads.values())
@@ -184,7 +188,40 @@ def compare_with_model(m: Materialized, model_file: ModelFile, sim: Simulation, 
     problems += [f"device {dev}: gradient of {g.params[name]} {region!r} off by {err:.3g} "
                  "(relative to the largest gradient entry)"
                  for dev, name, region, err in errors if err > rtol]
+    if sim.params and not problems:  # the gradients agree: the optimizer's step, then
+        problems += _step_problems(g, model_file, sim, ref.final_state, seed=seed, dtype=run,
+                                   rtol=rtol)
     return problems, ref_loss, worst
+
+
+def _step_problems(g, model_file: ModelFile, sim: Simulation,
+                   after: Mapping[str, torch.Tensor], *, seed: int, dtype: torch.dtype,
+                   rtol: float) -> list[str]:
+    """Each rank's shard after its optimizer's step against the plain model's parameter after
+    its own (``after``), relative to the largest entry of the plain model's update."""
+    before = model_file.build(seed=seed).to(dtype).state_dict()
+
+    def plain(name: str, state: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        qual = g.params[name]
+        return next((state[q] for q in (qual, *g.aliases.get(qual, ())) if q in state), None)
+
+    scale = max((float((after[q] - before[q]).abs().max()) for q in after
+                 if q in before and after[q].is_floating_point() and after[q].numel()),
+                default=0.0)
+    if scale == 0.0:  # no update at all (a zero learning rate): nothing to compare it with
+        return []
+    out = []
+    for dev, mine in sorted(sim.params.items()):
+        for (name, region), value in mine.items():
+            want = plain(name, after)
+            if want is None or not value.numel():
+                continue
+            err = float((value - region.slice_of(want)).abs().max()) / scale
+            if err > rtol:
+                out.append(f"device {dev}: {g.params[name]} {region!r} after the optimizer's "
+                           f"step off by {err:.3g} (relative to the largest update entry; the "
+                           "gradients agree)")
+    return out
 
 
 def observed_precision(model_file: ModelFile, *, seed: int, dtype: torch.dtype,
