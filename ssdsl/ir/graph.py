@@ -87,6 +87,14 @@ def _freeze_kwargs(value: Mapping[str, Any] | tuple) -> tuple[tuple[str, Any], .
     return tuple(value.items()) if isinstance(value, Mapping) else tuple(value)
 
 
+@functools.lru_cache(maxsize=None)
+def writes_in_place(target: str) -> bool:
+    """``aten.relu_.default``, ``aten.add_.Tensor``: an ATen op that writes its first argument
+    (its name ends in ``_``)."""
+    name = target.split(".")[1] if target.count(".") >= 2 else target
+    return name.endswith("_") and not name.endswith("__")
+
+
 @attrs.frozen
 class Op:
     """One ATen operator call of the traced forward.

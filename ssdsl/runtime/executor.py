@@ -18,7 +18,6 @@ order of every collective and message, backward included, is the program's.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -29,6 +28,7 @@ from torch.autograd.graph import get_gradient_edge
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from ssdsl.ir.graph import writes_in_place
 from ssdsl.ir.interpret import call_target
 from ssdsl.ir.region import Region
 from ssdsl.lower import Handler, Program, Wait, lower_rank, walk
@@ -1287,7 +1287,7 @@ def _call(target: str, args: tuple, kwargs: dict) -> Any:
     A graph traced on real tensors omits the ``contiguous()`` that was a no-op there (attention's
     output was already laid out for the view); a received activation can be laid out otherwise.
     """
-    if args and _writes_in_place(target) and isinstance(args[0], torch.Tensor) \
+    if args and writes_in_place(target) and isinstance(args[0], torch.Tensor) \
             and args[0].is_leaf and args[0].requires_grad:
         # a value this rank received or cut (a leaf of its autograd graph, which autograd does
         # not let an in-place op write): its copy is written; nothing on the rank aliases it
@@ -1298,13 +1298,6 @@ def _call(target: str, args: tuple, kwargs: dict) -> Any:
         if target != "aten.view.default":
             raise
         return torch.ops.aten.reshape.default(*args, **kwargs)
-
-
-@functools.lru_cache(maxsize=None)
-def _writes_in_place(target: str) -> bool:
-    """``aten.relu_.default``, ``aten.add_.Tensor``: an ATen op whose name ends in ``_``."""
-    name = target.split(".")[1] if target.count(".") >= 2 else target
-    return name.endswith("_") and not name.endswith("__")
 
 
 def assemble(shards: list[tuple[str, Region, torch.Tensor]]) -> dict[str, torch.Tensor]:

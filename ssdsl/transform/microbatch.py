@@ -33,6 +33,7 @@ import attrs
 
 from ssdsl.elaborate.directives import Microbatch
 from ssdsl.errors import SsdslError
+from ssdsl.ir.graph import writes_in_place
 from ssdsl.ir.region import Region
 from ssdsl.ops import Annotation, FrozenDimError, SubOp, call_of
 from ssdsl.ops.core import reads_extents_only
@@ -84,7 +85,7 @@ def _refuse_buffer_updates(t: Transformed, d: Microbatch) -> None:
     counter would count micro-batches), against once on one device."""
     buffers = t.graph.buffers
     for op in t.graph.ops:
-        if not op.inputs or op.inputs[0] not in buffers or not _writes_in_place(op.target):
+        if not op.inputs or op.inputs[0] not in buffers or not writes_in_place(op.target):
             continue
         name = buffers[op.inputs[0]]
         raise BufferUpdatedPerForward(
@@ -94,12 +95,6 @@ def _refuse_buffer_updates(t: Transformed, d: Microbatch) -> None:
             hint="run the plan without micro-batches (`microbatches=1`, or no `microbatch` "
             "statement), or keep the update out of the forward (in the training loop, once a "
             "step)", origin=t.graph.origin(op.name))
-
-
-def _writes_in_place(target: str) -> bool:
-    """``aten.add_.Tensor``: an ATen op that writes its first argument (its name ends in ``_``)."""
-    name = target.split(".")[1] if target.count(".") >= 2 else target
-    return name.endswith("_") and not name.endswith("__")
 
 
 def _result(t: Transformed, d: Microbatch, local0: dict[str, list[Part]],
