@@ -32,7 +32,7 @@ from ssdsl.ir.graph import writes_in_place
 from ssdsl.ir.interpret import call_target
 from ssdsl.ir.region import Region
 from ssdsl.lower import Handler, Program, Wait, lower_rank, walk
-from ssdsl.lower.instr import Coll, P2P
+from ssdsl.lower.instr import BackwardInput, BackwardWeight, Coll, P2P
 from ssdsl.materialize.program import Materialized
 from ssdsl.runtime.comm import (coll_on_rank, isend, local_coll, start_all_gather_into,
                                 start_reduce_scatter, wait_sends)
@@ -225,6 +225,12 @@ class Runner(Handler):
         self.cut_grads: dict[str, torch.Tensor] = {}  # weight cuts' gradients an I unit made
         # the gradient edges of kept outputs dropped from ``env`` at their I unit (liveness)
         self.edges: dict[str, Any] = {}
+        # the gradient edges of split backwards' places (a mixing call's output) taken just
+        # before an in-place operator wrote them (``nn.ReLU(inplace=True)`` after a linear):
+        # the tensor then stands for the in-place op's output, not the call's
+        self.inplaced: dict[str, Any] = {}
+        self._watched: frozenset[str] = frozenset()
+        self._watched_of: dict[int, tuple[Program, frozenset[str]]] = {}
         self.batch: tuple[torch.Tensor, ...] = ()
         self.losses: list[tuple[torch.Tensor, bool]] = []
         self.loss_total: float | None = None
@@ -257,7 +263,7 @@ class Runner(Handler):
         """A new step on the whole batch ``(*inputs, target)``."""
         self.batch = tuple(batch)
         self.env, self.grads, self.losses, self.loss_total = {}, {}, [], None
-        self.kept, self.edges, self.cut_grads = {}, {}, {}
+        self.kept, self.edges, self.cut_grads, self.inplaced = {}, {}, {}, {}
         # the optimizer clears the gradients of what it steps; the weights of a sharded bucket
         # are not among them (stage 1 keeps their whole gradient until here)
         for shard in self.zero.values():
@@ -296,6 +302,7 @@ class Runner(Handler):
         walk without it takes autograd for every weight half, which computes the same."""
         self._wrules = _once(self._wrules_of, program,
                              lambda: wgrad.rules_of(program) if wgrad.ENABLED else {})
+        self._watched = _once(self._watched_of, program, lambda: written_places(program))
 
     def run(self, program: Program) -> None:
         """Walk all of ``program`` on a runner that never waits (the distributed one): what
@@ -377,6 +384,11 @@ class Runner(Handler):
 
     def on_call(self, ins) -> None:
         env = self.env
+        if self._watched and ins.ins and ins.ins[0] in self._watched \
+                and writes_in_place(ins.call.target):
+            t = env.get(ins.ins[0])
+            if t is not None and t.grad_fn is not None:
+                self.inplaced[ins.ins[0]] = get_gradient_edge(t)
         local = [None if v is None else env[v] for v in ins.ins]
         args, kwargs = ins.call.bind(local)
         if self.retype is not None:
@@ -580,14 +592,19 @@ class Runner(Handler):
         early = self._wrules.get(id(ins))
         early = early[1] if early is not None and early[0] is ins else ()
         names = [v for v in (*ins.inputs, *ins.keep, *early) if v in env and env[v].requires_grad]
-        places = [env[v] for v in names]
+        inplaced = self.inplaced
+        places = [inplaced.get(v) or env[v] for v in names] if inplaced else \
+            [env[v] for v in names]
         if self._edged:  # kept outputs nothing reads again but as graph places (liveness)
             held = self._edged.get(id(ins))
             if held is not None and held[0] is ins:
                 edges, at = self.edges, {v: k for k, v in enumerate(names)}
                 for v in held[1]:
                     k = at.get(v)
-                    if k is not None and places[k].grad_fn is not None:
+                    if k is not None and v in inplaced:
+                        edges[v] = places[k]
+                        del env[v]
+                    elif k is not None and places[k].grad_fn is not None:
                         places[k] = edges[v] = get_gradient_edge(places[k])
                         del env[v]
         tensors, grads = self._starts(ins.seeds, ins.roots)
@@ -645,8 +662,8 @@ class Runner(Handler):
                         grads.append(g)
                     self.closed_form += 1
                     continue
-            ys = [(env[o] if o in env else self.edges[o], self.kept.pop(o))
-                  for o in outs if o in self.kept]
+            ys = [(self.inplaced.get(o) or (env[o] if o in env else self.edges[o]),
+                   self.kept.pop(o)) for o in outs if o in self.kept]
             cs = [(env[c], src) for c, src in cuts if env[c].requires_grad]
             if not ys or not cs:
                 continue
@@ -1298,6 +1315,24 @@ def _call(target: str, args: tuple, kwargs: dict) -> Any:
         if target != "aten.view.default":
             raise
         return torch.ops.aten.reshape.default(*args, **kwargs)
+
+
+def written_places(program: Program) -> frozenset[str]:
+    """The places of ``program``'s split backwards (the outputs an input half keeps the
+    gradient of, the outputs of a weight half's mixing calls) that an in-place call writes
+    afterwards: ``Runner.on_call`` takes their gradient edge before it does."""
+    places: set[str] = set()
+    for ins in program.instructions:
+        if isinstance(ins, BackwardInput):
+            places.update(ins.keep)
+        elif isinstance(ins, BackwardWeight):
+            for outs, _ in ins.mixes:
+                places.update(outs)
+    if not places:
+        return frozenset()
+    return frozenset(ins.ins[0] for ins in program.instructions
+                     if ins.kind == "call" and ins.ins and ins.ins[0] in places
+                     and writes_in_place(ins.call.target))
 
 
 def assemble(shards: list[tuple[str, Region, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ssdsl.ir.graph import writes_in_place
 from ssdsl.ir.interpret import resolve_target
 from ssdsl.ir.region import Region
 from ssdsl.ops.core import Slot, _map_slots
@@ -253,6 +254,9 @@ def call_parts(runner: Any, ins: Any) -> tuple[Callable, tuple, tuple] | None:
     pairs); None where the ordinary handler runs it (a retyped run: verification)."""
     if runner.retype is not None:
         return None
+    watched = getattr(runner, "_watched", None)
+    if watched and ins.ins and ins.ins[0] in watched and writes_in_place(ins.call.target):
+        return None  # the handler takes the written place's gradient edge first
     lc = ins.call
     overload = fn = resolve_target(lc.target)
     args, kwargs = lc.args, lc.kwargs
