@@ -68,11 +68,14 @@ class _Builder:
         if len(names) > 1:  # a selection: an op that only reads the dim is an op without it
             labels = {n: None if lab is not None and self._read_only(n, lab) else lab
                       for n, lab in labels.items()}
-            # ... and so is one whose dim of that name has size 1 (the kept dim of a
-            # ``mean(-1, keepdim=True)``, a broadcast dim) while other selected operators have
-            # it larger: there is nothing of it to split, and `ssdsl trace` lists no such dim
+            # ... and so is one whose positional dim of that name (``d2``: each operator's own)
+            # has size 1 (the kept dim of a ``mean(-1, keepdim=True)``, a broadcast dim) while
+            # other selected operators have it larger: there is nothing of it to split, and
+            # `ssdsl trace` lists no such dim. A flowing dim of size 1 (one head in a stage of
+            # one-head blocks) is the model's own: asked to split, it is still refused
             if any(lab is not None and self._size(n, lab) > 1 for n, lab in labels.items()):
-                labels = {n: None if lab is not None and self._size(n, lab) == 1 else lab
+                labels = {n: None if lab is not None and self._size(n, lab) == 1
+                          and not self._flowing(n, lab) else lab
                           for n, lab in labels.items()}
         if not any(labels.values()):
             raise MissingDim(self._missing_message(names, d.dim), d.span,
@@ -121,6 +124,10 @@ class _Builder:
         if lacking:
             self.notes.append(f"{d.span}: {len(lacking)} operator(s) without dim '{d.dim}' "
                               f"replicated into {d.parts} (e.g. '{lacking[0]}')")
+
+    def _flowing(self, name: str, label: str) -> bool:
+        """Whether ``label`` of ``name`` has a flowing name (``batch``, ``heads``, ``seq``)."""
+        return label in (getattr(self.anns[name], "names", None) or {})
 
     def _size(self, name: str, label: str) -> int:
         ann = self.anns[name]
