@@ -194,3 +194,45 @@ def test_relative_error():
     assert relative_error(0.5, 0.0) == 0.5
     assert relative_error(math.inf, math.inf) == 0.0
     assert relative_error(math.nan, 1.0) == math.inf
+
+
+def test_reference_records_the_update_of_each_grad_step(mf, model_path):
+    """``RunRecord.updates[s]``: each parameter after step ``s`` minus before it. Oracle: the
+    hand-written loop's state after one step minus the seeded model's own parameters."""
+    ref = run_reference(mf, steps=1, seed=3, dtype=torch.float64, optimizer=OptimizerSpec("sgd"),
+                        grad_steps=(0,))
+    hand = _hand_loop(model_path, steps=1, seed=3, dtype=torch.float64, opt="sgd")
+    spec = importlib.util.spec_from_file_location("hand_loop_model", model_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(3)
+    first = {n: p.detach().to(torch.float64) for n, p in module.build_model().named_parameters()}
+    assert ref.updates.keys() == {0} and ref.updates[0].keys() == first.keys()
+    for name, before in first.items():
+        want = hand.final_state[name] - before
+        assert torch.allclose(ref.updates[0][name], want, rtol=0, atol=1e-15)
+        assert want.abs().max() > 0
+
+
+def test_step_check_scales_by_the_parameters_update_not_the_buffers():
+    """Verification's optimizer-step comparison is relative to the largest update of a
+    parameter: a buffer that moves a million times more (a running statistic) must not hide a
+    shard that is off by a thousandth of the update."""
+    from types import SimpleNamespace
+
+    from ssdsl.ir.region import Region
+    from ssdsl.runtime.simulate import Simulation
+    from ssdsl.runtime.verify import _step_problems
+    g = SimpleNamespace(params={"w0": "lin.weight"}, aliases={})
+    after = {"lin.weight": torch.ones(3, 2, dtype=torch.float64),
+             "norm.running_mean": torch.full((2,), 1e6, dtype=torch.float64)}
+    update = {"lin.weight": torch.full((3, 2), 0.01, dtype=torch.float64),
+              "norm.running_mean": torch.full((2,), 1e6, dtype=torch.float64)}
+    off = after["lin.weight"].clone()
+    off[1, 1] += 1e-5  # a thousandth of the update
+    region = Region.full((3, 2))
+    sim = Simulation(loss=0.0, grads={}, params={1: {("w0", region): off}})
+    problems = _step_problems(g, sim, after, update, rtol=1e-9)
+    assert len(problems) == 1 and "lin.weight" in problems[0] and "off by 0.001" in problems[0]
+    same = Simulation(loss=0.0, grads={}, params={1: {("w0", region): after["lin.weight"]}})
+    assert _step_problems(g, same, after, update, rtol=1e-9) == []

@@ -32,11 +32,13 @@ Tensors = Mapping[str, torch.Tensor]
 
 @attrs.frozen(eq=False)
 class RunRecord:
-    """What a run produced: loss per step, final state (CPU tensors), gradients of some steps."""
+    """What a run produced: loss per step, final state (CPU tensors), gradients of some steps
+    and, for those steps, each parameter's update by the optimizer (after minus before)."""
 
     losses: tuple[float, ...]
     final_state: Tensors
     grads: Mapping[int, Tensors] = attrs.field(factory=dict)
+    updates: Mapping[int, Tensors] = attrs.field(factory=dict)
 
 
 def to_dtype(batch: Any, dtype: torch.dtype) -> Any:
@@ -55,7 +57,8 @@ def run_reference(model_file: ModelFile, *, steps: int, batch_size: int | None =
                   grad_steps: Collection[int] = (), device: str | torch.device = "cpu"
                   ) -> RunRecord:
     """Train on one device for ``steps`` steps; record losses, the gradients of ``grad_steps``
-    (before that step's optimizer update) and the final state dict.
+    (before that step's optimizer update), those steps' parameter updates and the final state
+    dict.
 
     Example::
 
@@ -68,6 +71,7 @@ def run_reference(model_file: ModelFile, *, steps: int, batch_size: int | None =
     names = {p: n for n, p in model.named_parameters()}
     losses: list[float] = []
     grads: dict[int, dict[str, torch.Tensor]] = {}
+    updates: dict[int, dict[str, torch.Tensor]] = {}
     for step in range(steps):
         inputs, target = model_file.get_batch(step, batch_size)
         inputs = tuple(t.to(device) for t in to_dtype(inputs, dtype))
@@ -81,13 +85,17 @@ def run_reference(model_file: ModelFile, *, steps: int, batch_size: int | None =
                 f"the plain model (one device, {str(dtype).removeprefix('torch.')}) raised "
                 f"{_describe(exc)} in step {step}", locate_in(model_file.path, exc),
                 file=model_file.path) from exc
+        before = {}
         if step in grad_steps:
             grads[step] = {names[p]: p.grad.detach().cpu().clone()
                            for p in model.parameters() if p.grad is not None}
+            before = {n: p.detach().cpu().clone() for p, n in names.items()}
         opt.step()
+        if before:
+            updates[step] = {n: p.detach().cpu() - before[n] for p, n in names.items()}
         losses.append(float(loss.detach()))
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return RunRecord(losses=tuple(losses), final_state=state, grads=grads)
+    return RunRecord(losses=tuple(losses), final_state=state, grads=grads, updates=updates)
 
 
 # ----------------------------------------------------------------------------- comparison

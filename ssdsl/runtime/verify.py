@@ -189,31 +189,24 @@ def compare_with_model(m: Materialized, model_file: ModelFile, sim: Simulation, 
                  "(relative to the largest gradient entry)"
                  for dev, name, region, err in errors if err > rtol]
     if sim.params and not problems:  # the gradients agree: the optimizer's step, then
-        problems += _step_problems(g, model_file, sim, ref.final_state, seed=seed, dtype=run,
-                                   rtol=rtol)
+        problems += _step_problems(g, sim, ref.final_state, ref.updates[0], rtol=rtol)
     return problems, ref_loss, worst
 
 
-def _step_problems(g, model_file: ModelFile, sim: Simulation,
-                   after: Mapping[str, torch.Tensor], *, seed: int, dtype: torch.dtype,
-                   rtol: float) -> list[str]:
+def _step_problems(g, sim: Simulation, after: Mapping[str, torch.Tensor],
+                   update: Mapping[str, torch.Tensor], *, rtol: float) -> list[str]:
     """Each rank's shard after its optimizer's step against the plain model's parameter after
-    its own (``after``), relative to the largest entry of the plain model's update."""
-    before = model_file.build(seed=seed).to(dtype).state_dict()
-
-    def plain(name: str, state: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-        qual = g.params[name]
-        return next((state[q] for q in (qual, *g.aliases.get(qual, ())) if q in state), None)
-
-    scale = max((float((after[q] - before[q]).abs().max()) for q in after
-                 if q in before and after[q].is_floating_point() and after[q].numel()),
+    its own (``after``), relative to the largest entry of the plain model's update of the
+    graph's parameters (``update``: after minus before, ``RunRecord.updates``)."""
+    changes = (_plain(g, update, name) for name in g.params)
+    scale = max((float(t.abs().max()) for t in changes if t is not None and t.numel()),
                 default=0.0)
     if scale == 0.0:  # no update at all (a zero learning rate): nothing to compare it with
         return []
     out = []
     for dev, mine in sorted(sim.params.items()):
         for (name, region), value in mine.items():
-            want = plain(name, after)
+            want = _plain(g, after, name)
             if want is None or not value.numel():
                 continue
             err = float((value - region.slice_of(want)).abs().max()) / scale
@@ -244,13 +237,19 @@ def _rtol(dtype: torch.dtype) -> float:
                                                                 torch.float16) else 1e-4
 
 
+def _plain(g, state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The plain model's entry of ``state`` for parameter ``name``, under its qualified name or
+    one of its aliases (a tied weight); None where ``state`` has none."""
+    qual = g.params[name]
+    return next((state[q] for q in (qual, *g.aliases.get(qual, ())) if q in state), None)
+
+
 def _ref_grad(g, ref_grads: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     """The plain model's gradient of parameter ``name``; zeros for a parameter the loss does not
     reach (its ``.grad`` stays None: a pooler whose output no loss reads)."""
-    qual = g.params[name]
-    for q in (qual, *g.aliases.get(qual, ())):
-        if q in ref_grads:
-            return ref_grads[q]
+    found = _plain(g, ref_grads, name)
+    if found is not None:
+        return found
     info = g.tensors[name]
     some = next(iter(ref_grads.values()), None)
     return torch.zeros(info.shape, dtype=some.dtype if some is not None else torch.float64)
