@@ -76,3 +76,51 @@ def test_the_plan_lowers_to_the_builders_order():
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_run_matches_the_reference(capsys, world):
     assert_gloo_run_matches(capsys, RECYCLE, "recycle_1f1b", world)
+
+
+EMBEDDED = '''
+import importlib.util
+import torch.nn as nn
+_spec = importlib.util.spec_from_file_location("_evr", {path!r})
+er = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(er)
+BATCH_SIZE = er.BATCH_SIZE
+
+
+class WithInputEmbedding(er.RecyclingEvoformer):
+    def __init__(self):
+        super().__init__()
+        self.embed_m = nn.Linear(er.evo.C_M, er.evo.C_M)
+
+    def forward(self, m_in, z_in):
+        return super().forward(self.embed_m(m_in), z_in)
+
+
+def build_model():
+    return WithInputEmbedding()
+
+
+def get_batch(step, batch_size):
+    return er.get_batch(step, batch_size)
+'''
+
+
+def test_a_trained_operator_before_the_trunk_is_named(tmp_path):
+    """A trained embedding before the recycled trunk joins pass 0's first stage, which 3F1B
+    orders forwards of only: the refusal names the embedding and its model line (oracle: the
+    model file written here), not only the micro-batches that lack a backward."""
+    from ssdsl.elaborate import elaborate_file
+    from ssdsl.errors import SsdslError
+    from ssdsl.runtime.job import schedule_plan
+    from ssdsl.trace import trace
+    from ssdsl.trace.model_file import load_model_file
+    model = tmp_path / "embedded.py"
+    model.write_text(EMBEDDED.format(path=str(RECYCLE)))
+    graph = trace(load_model_file(model), device="meta")
+    with pytest.raises(SsdslError) as info:
+        schedule_plan(graph, elaborate_file("recycle_1f1b", world=2))
+    err = info.value
+    assert "only forwards of stage 0" in err.message and "'embed_m'" in err.message
+    assert err.span.file.endswith("recycle_1f1b.ssp")
+    lines = model.read_text().splitlines()
+    assert err.origin is not None and "self.embed_m(m_in)" in lines[err.origin.line - 1]

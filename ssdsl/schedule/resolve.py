@@ -235,6 +235,47 @@ def forward_only_stages(t: Transformed) -> frozenset[int]:
     return frozenset(set(t.stage_of.values()) - with_grad)
 
 
+def _check_trained_stages_have_backwards(t: Transformed, lowered: Lowered) -> None:
+    """A stage the loss differentiates (some operator of it computes what the gradient flows
+    through) of which the plan orders forwards only: name those operators, since the plan's
+    author took the stage for a forward-only one (a recycling pass before the last, which a
+    trained operator outside the trunk joined) or forgot its backwards. The schedule checker's
+    own rule (every unit once) would say only which micro-batches lack a backward."""
+    from ssdsl.check.schedule import MissingUnit
+    from ssdsl.schedule.units import Pass
+    sched = lowered.schedule
+    with_backward = {u.stage for p in sched.programs for u in p.units if u.kind is not Pass.F}
+    first_forward: dict[int, Span | None] = {}
+    for prog in sched.programs:
+        for u, span in zip(prog.units, prog.spans):
+            if u.kind is Pass.F and (first_forward.get(u.stage) is None):
+                first_forward[u.stage] = span
+    if all(s in with_backward or s in sched.stages.forward_only for s in first_forward):
+        return
+    needs = loss_grad_tensors(t.graph)
+    errors = ErrorCollector()
+    for s in sorted(first_forward):
+        if s in with_backward or s in sched.stages.forward_only:
+            continue
+        trained = [op for op in t.graph.ops
+                   if t.stage(op.name) == s and any(x in needs for x in op.outputs)]
+        modules = list(dict.fromkeys(f"'{op.module or '<top>'}'" for op in trained))
+        shown = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if len(modules) > 3
+                                          else "")
+        where = t.graph.origin(trained[0].name) if trained else None
+        err = MissingUnit(
+            f"the plan orders only forwards of stage {s}, but the loss differentiates what it "
+            f"computes: the operators of {shown} (the gradient reaches them without a "
+            ".detach()) need its backwards", [first_forward[s]],
+            hint=f"order the backwards of stage {s} for every micro-batch, or select those "
+                 "operators into a stage that has backwards (a recycling plan orders backwards "
+                 "of its last pass only: a trained operator before the trunk needs a stage of "
+                 "its own, or a place inside the trunk)")
+        err.origin = where
+        errors.add(err)
+    errors.raise_if_any()
+
+
 def _by_selectors(t: Transformed, st: Stages) -> dict[str, int]:
     chosen: dict[str, int] = {}
     module = {op.name: op.module for op in t.graph.ops}
@@ -322,6 +363,7 @@ def resolve_pipeline(t: Transformed) -> tuple[Transformed, Lowered | None]:
         t = attrs.evolve(assign_ops(t, _stage_assigns(t, st, stage_of)), stage_of=stage_of)
         lowered = lower_schedule(t.deferred, edges=stage_edges(t),
                                  forward_only=forward_only_stages(t))
+        _check_trained_stages_have_backwards(t, lowered)
     else:  # orders between operators: the one operator order every device walks
         t = order_operators(t)
     t = attrs.evolve(t, recompute=recompute_ops(t, found[0] if found else None))
