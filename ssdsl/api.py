@@ -149,9 +149,9 @@ def parallelize(model: str | Path | torch.nn.Module, plan: str, *,
     given batches of it.
 
     Before anything trains, one step of all ranks is simulated in this process against the plain
-    model (``verify=False`` skips it); a difference raises ``TrainsDifferently`` on every rank,
-    and a plan that could not be verified says so in a warning (``pm.verification`` tells). A
-    module passed in is not verified yet: the warning says so.
+    model (``verify=False`` skips it; for a module, the plain model is a copy of the module as
+    rank 0 passed it); a difference raises ``TrainsDifferently`` on every rank, and a plan that
+    could not be verified says so in a warning (``pm.verification`` tells).
     """
     if dtype not in DTYPES:
         raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
@@ -179,8 +179,8 @@ def parallelize(model: str | Path | torch.nn.Module, plan: str, *,
         verification = verify_before_launch(spec, ctx.world_size, enabled=verify)
         mf, m, source = plan_with_state(spec, ctx)  # this rank's shards only, never the model
     else:
-        verification = Verification("not verified", "a module passed to parallelize is not "
-                                    "simulated before training yet (a model file is)")
+        verification = verify_before_launch(spec, ctx.world_size, enabled=verify,
+                                            model_file=mf)
         mf, m, source = plan_job(spec, ctx.world_size, model_file=mf)
     if not verification.verified and ctx.rank == 0:
         import warnings

@@ -77,7 +77,16 @@ def module_script(steps: int) -> dict:
         errors["shape"] = err.message + " | " + (err.hint or "")
     losses = [pm.train_step(*get_batch(step, 8)) for step in range(steps)]
     state = pm.full_state_dict()
-    return {"losses": losses, "state": state, "initial": initial, "errors": errors}
+
+    def drawn_anew(step: int, batch_size: int):  # a batch function each rank would draw apart
+        return torch.randn(batch_size, 6), torch.randint(0, 3, (batch_size,))
+    try:
+        ssdsl.parallelize(model, "dp", batch=drawn_anew, batch_size=8)
+    except ssdsl.errors.SsdslError as err:
+        errors["batch"] = type(err).__name__
+    v = pm.verification
+    return {"losses": losses, "state": state, "initial": initial, "errors": errors,
+            "verified": (v.status, v.loss)}
 
 
 @pytest.mark.slow
@@ -94,6 +103,10 @@ def test_parallelize_a_module_with_a_batch_function():
         x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x.double()), y)
+        if step == 0:  # a module is verified before training, against a copy of itself
+            status, simulated = r0["verified"]
+            assert status == "verified" and abs(simulated - loss.item()) <= 1e-12
+
         loss.backward()
         opt.step()
         assert abs(got - loss.item()) <= 1e-12 * loss.item()
@@ -101,6 +114,7 @@ def test_parallelize_a_module_with_a_batch_function():
     for name, value in model.state_dict().items():
         torch.testing.assert_close(r0["state"][name], value, rtol=1e-12, atol=1e-14)
     assert "nn.Module, not int" in r0["errors"]["type"]
+    assert r0["errors"]["batch"] == "NonDeterministicBatch"
     shape = r0["errors"]["shape"]
     assert "input 0 has shape (4, 6) (batch size 4)" in shape and "(8, 6)" in shape
     assert "batch_size=4" in shape

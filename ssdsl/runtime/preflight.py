@@ -87,21 +87,24 @@ class Verification:
 
 def verify_before_launch(spec: JobSpec, world: int, *, enabled: bool = True,
                          available_bytes: int | None = None,
-                         planned: Materialized | None = None) -> Verification:
+                         planned: Materialized | None = None,
+                         model_file: ModelFile | None = None) -> Verification:
     """Plan ``spec`` for ``world`` ranks and verify it (module doc); raises the ``SsdslError``
     that stops the launch, else says what was verified. With ``enabled=False`` the job is only
     planned (its faults still raise) and the result says verification was skipped.
 
     ``planned``: the job as the launcher already planned it (``ssdsl.runtime.job.launch_files``);
-    it is not planned again: its own programs are the ones simulated, in float64."""
+    it is not planned again: its own programs are the ones simulated, in float64.
+    ``model_file``: the model as already loaded (``parallelize``'s module, whose plain model is
+    a copy of the module itself), else ``spec.model``'s file."""
     start = time.perf_counter()
     if not enabled:
         if planned is None:
-            plan_job(spec, world)
+            plan_job(spec, world, model_file=model_file)
         return Verification("skipped", "skipped by request (--no-verify)")
-    mf = load_model_file(spec.model)
+    mf = model_file if model_file is not None else load_model_file(spec.model)
     check_batch_deterministic(mf, spec.batch_size)
-    m = planned if planned is not None else plan_job(spec, world)[1]
+    m = planned if planned is not None else plan_job(spec, world, model_file=model_file)[1]
     check_batch_shard(mf, spec.batch_size, m)
     refuse_random_operators(m.transformed.graph, mf.path)
     need, have = simulation_bytes(m, torch.float64), available_memory() \
@@ -124,7 +127,7 @@ def verify_before_launch(spec: JobSpec, world: int, *, enabled: bool = True,
             verdict = None
         if verdict is not None and verdict.ok:
             return _verified(verdict, start, "float64")
-        m64, dtype = _plan_for_verification(spec, world)
+        m64, dtype = _plan_for_verification(spec, world, model_file)
         verdict = _simulated(m64, mf, spec, start)
         # not simulated in float64 (the plain model has no float64 kernel for an operator, say):
         # the programs that run are still simulated in their own dtype below
@@ -228,16 +231,17 @@ def simulate_step(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int 
     return PlanVerdict(tuple(problems), len(m.edges), (), sim.loss, ref_loss, worst)
 
 
-def _plan_for_verification(spec: JobSpec, world: int) -> tuple[Materialized, str]:
+def _plan_for_verification(spec: JobSpec, world: int, model_file: ModelFile | None = None
+                           ) -> tuple[Materialized, str]:
     """The job planned in float64 (a wrong scaling cannot hide in rounding there), or in the
     run's dtype when the model does not build or trace in float64."""
     if spec.dtype != "float64":
         try:
-            _, m, _ = plan_job(attrs.evolve(spec, dtype="float64"), world)
+            _, m, _ = plan_job(attrs.evolve(spec, dtype="float64"), world, model_file=model_file)
             return m, "float64"
         except Exception:  # noqa: BLE001 - a model that traces in its own dtype only (float
             pass           # inputs from get_batch into float64 weights); a real fault recurs below
-    _, m, _ = plan_job(spec, world)
+    _, m, _ = plan_job(spec, world, model_file=model_file)
     return m, spec.dtype
 
 
