@@ -250,6 +250,9 @@ LEVERS = {
     "send_first": ("ssdsl.lower.build", "SEND_FIRST", False),
     # that last backward walked twice (input gradients, then whole) instead of split in halves
     "split_last": ("ssdsl.lower.build", "SPLIT_LAST", False),
+    # every backward of a stage that sends gradients split, each weight half run after the next
+    # backward's input half (off: only the last backward split)
+    "defer_w": ("ssdsl.lower.build", "DEFER_W", False),
     # a layer norm's weight-cut gradients from the input half's kernel (off: the weight half
     # computes its statistics again; read when a program is first walked)
     "early_cut": ("ssdsl.runtime.wgrad", "EARLY", False),

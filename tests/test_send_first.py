@@ -14,6 +14,7 @@ communication, not from the rule under test).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,9 @@ PIPELINES = [("1f1b", 2, {}), ("1f1b", 4, {}), ("gpipe", 2, {}), ("interleaved_1
 @pytest.mark.parametrize("plan, world, sets", PIPELINES,
                          ids=[f"{p}-{w}" for p, w, _ in PIPELINES])
 def test_the_last_backward_is_split_sends_between_its_halves_and_trains_like_the_model(
-        tmp_path, plan, world, sets):
+        tmp_path, monkeypatch, plan, world, sets):
+    """``DEFER_W`` off: only the rank's last backward is split."""
+    monkeypatch.setattr(build, "DEFER_W", False)
     mf, m, programs = _lower(tmp_path, plan, world, **sets)
     for p in programs:
         assert _parts(p) == []  # no backward walked twice
@@ -90,6 +93,67 @@ def test_the_last_backward_is_split_sends_between_its_halves_and_trains_like_the
         assert any(x.kind == "cut" and "|w" in x.out for x in p.instructions)
         assert not any(x.kind.startswith("backward") for x in p.instructions[halves[-1][0] + 1:])
         assert parse_program(program_text(p)) == p
+    problems, _, _ = compare_with_model(m, mf, simulate_model_file(m, programs, mf))
+    assert not problems, problems
+
+
+def _freed_mb(x) -> int:
+    """The micro-batch whose forward values a ``Free`` frees (``name@mb``)."""
+    mbs = {int(re.search(r"@(\d+)", v).group(1)) for v in x.values if "@" in v}
+    assert len(mbs) == 1, x.values
+    return mbs.pop()
+
+
+@pytest.mark.parametrize("plan, world, sets", PIPELINES,
+                         ids=[f"{p}-{w}" for p, w, _ in PIPELINES])
+def test_every_backward_of_a_sending_stage_is_split_its_weight_half_one_backward_later(
+        tmp_path, plan, world, sets):
+    """``DEFER_W`` (the default): on a rank whose stage sends gradients back, every backward
+    unit is split; the first holds its input half alone, each later one its input half, its
+    sends, then the weight half of the backward before (with the ``Free`` of that forward's
+    values), and the last one its own weight half too. So at most one forward's values wait for
+    a weight half. Oracles: the plain model (every rank's program simulated) and the programs'
+    own units and sends."""
+    mf, m, programs = _lower(tmp_path, plan, world, **sets)
+    checked = 0
+    for p in programs:
+        assert _parts(p) == []
+        units = []  # per B unit: its name, and what runs in it: kinds, sends, weight halves
+        last_kind = None
+        for x in p.instructions:
+            if x.kind == "begin":
+                units.append((x.unit, [])) if "B" in x.unit else None
+                unit = units[-1] if "B" in x.unit else None
+            elif unit is not None:
+                sends = x.kind == "comm" and x.backward and any(
+                    m.kind == "send" for st in x.steps for m in getattr(st, "msgs", ()))
+                if x.kind == "free" and last_kind == "backward_weight":
+                    unit[1].append(("W", _freed_mb(x)))
+                elif sends or x.kind in ("backward_input", "backward"):
+                    unit[1].append("send" if sends else x.kind)
+            if x.kind.startswith("backward"):
+                last_kind = x.kind
+        split = [(k, u) for k, (u, ks) in enumerate(units) if "backward_input" in ks]
+        for u, ks in units:  # a backward that sends gradients is split, and only such a one
+            assert ("send" in ks) == ("backward_input" in ks) and \
+                ("backward" in ks) != ("backward_input" in ks), (u, ks)
+        if not split:
+            continue
+        # the weight halves, in order, each in the next split unit after its input half and
+        # sends, the last two in the rank's last backward unit
+        order = [int(u.split("B")[1]) for _, u in split]
+        found = [(k, w[1]) for k, (_, ks) in enumerate(units) for w in ks
+                 if isinstance(w, tuple)]
+        assert [mb for _, mb in found] == order, (found, order)
+        for j, (k, mb) in enumerate(found[:-1]):
+            assert k == split[j + 1][0], (j, k, split)
+            ks = units[k][1]
+            first_w = next(i for i, w in enumerate(ks) if isinstance(w, tuple))
+            assert "send" in ks[:first_w] and "backward_input" in ks[:first_w], ks
+        assert found[-1][0] == len(units) - 1
+        assert not any(isinstance(w, tuple) for w in units[split[0][0]][1])
+        checked += 1
+    assert checked  # some rank sends gradients back (else this tests nothing)
     problems, _, _ = compare_with_model(m, mf, simulate_model_file(m, programs, mf))
     assert not problems, problems
 

@@ -85,6 +85,14 @@ SEND_FIRST = True
 # in all; False: walked twice, the second time whole (``_sent_first``; benchmarks compare)
 SPLIT_LAST = True
 
+# True: a rank whose stage sends gradients to another device splits every backward of it into its
+# halves and runs each weight half after the next backward's input half (``_split_last``,
+# ``_backward``): the stage before gets its gradients a weight half sooner in every cycle, and
+# the deferred half runs while this rank would wait for that stage's next activations. At most
+# one weight half waits at a time, so a stage after the first holds at most the activations
+# the first one holds under 1F1B. False splits only the last backward (benchmarks compare)
+DEFER_W = True
+
 # False sums the loss over all ranks even where each holds all of it (``own_loss``;
 # ``bench/bench_peers.py --off own_loss`` compares)
 OWN_LOSS = True
@@ -388,6 +396,9 @@ class _RankLowering:
         # leaf (the leaves included), values depending on a parameter
         self.split = False
         self.split_units: frozenset[str] = frozenset()  # forward units split alone (_split_last)
+        self.pending_w: tuple[int, int, Span | None] | None = None  # a deferred weight half
+        self._sends_back_stage: dict[int, bool] = {}
+        self._units: tuple = ()
         self.activation_side: set[str] = set()
         self.weight_dep: set[str] = set()
         self.n_weight_cuts = 0
@@ -430,6 +441,7 @@ class _RankLowering:
             if _split_unit(unit)[1] == "B":
                 self.last_backward[_split_unit(unit)[0]] = unit
                 self.device_last_backward = unit
+        self._units = units
         self.split_units = self._split_last()
         self.next_unit = {a: b for (a, _), (b, _) in zip(units, units[1:])}
         for unit, span in units:
@@ -439,6 +451,9 @@ class _RankLowering:
                 self._forward(unit, stage, mb)
             elif pass_ == "B":
                 self._backward(unit, stage, mb, span)
+                if unit == self.device_last_backward and self.pending_w is not None:
+                    self._weight_grad(*self.pending_w)  # DEFER_W: the last one waits no longer
+                    self.pending_w = None
             elif pass_ == "I":
                 self._input_grad(stage, mb, span)
             elif pass_ == "W":
@@ -970,7 +985,13 @@ class _RankLowering:
             return  # the checker names a backward without its forward
         if forward in self.split_units:  # its input half, what it sends, then its weight half
             self._input_grad(stage, mb, span)
-            self._weight_grad(stage, mb, span)
+            if len(self.split_units) == 1:
+                self._weight_grad(stage, mb, span)
+                return
+            # DEFER_W: the weight half of the backward before, this one's after the next
+            if self.pending_w is not None:
+                self._weight_grad(*self.pending_w)
+            self.pending_w = (stage, mb, span)
             return
         runs = [it for it in reversed(items) if isinstance(it, _Segment)
                 and (it.seeds or it.roots or it.collect)]
@@ -1018,20 +1039,39 @@ class _RankLowering:
         follow whole backwards: ``_sent_first`` walks those twice instead). Unlike that second
         walk, it adds no work: it stays where the ranks share cores (``Materialized.send_first``
         False; on the peers' 1f1b, 4 ranks on 2 cores, the step 0.974 times as long as with the
-        two walks and 0.976 as with none)."""
+        two walks and 0.976 as with none).
+
+        With ``DEFER_W``, every backward unit of such a stage on this rank is split, and each
+        weight half runs one backward later (``_backward``)."""
         unit = self.device_last_backward
         if (not (SEND_FIRST and SPLIT_LAST) or self.split
                 or unit is None or self.z3 or self.c.recompute):
             return frozenset()
+        if DEFER_W:
+            return frozenset(f"{stage}F{mb}" for stage, pass_, mb in
+                             (_split_unit(u) for u, _ in self._units)
+                             if pass_ == "B" and self._stage_sends_back(stage))
         stage, _, mb = _split_unit(unit)
+        return frozenset({f"{stage}F{mb}"}) if self._stage_sends_back(stage) else frozenset()
+
+    def _stage_sends_back(self, stage: int) -> bool:
+        """Whether stage ``stage``'s backward on this rank sends gradients to another device."""
+        known = self._sends_back_stage.get(stage)
+        if known is not None:
+            return known
+        found = False
         for op, part, _, _ in self._steps(stage):
             if part is None:
                 continue
             for slot, name in enumerate(op.inputs):
                 edge, mine = self._edge_here((name, op.name, slot))
                 if edge is not None and mine and self._sends_back(edge.adapter):
-                    return frozenset({f"{stage}F{mb}"})
-        return frozenset()
+                    found = True
+                    break
+            if found:
+                break
+        self._sends_back_stage[stage] = found
+        return found
 
     def _sent_first(self, unit: str, items: list, runs: list[_Segment]) -> _Segment | None:
         """The segment whose backward this unit runs in two walks (``Backward.part``), or None:
