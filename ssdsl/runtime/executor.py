@@ -991,6 +991,13 @@ class DistRunner(Runner):
             self._start_loss()
 
     def on_loss_sum(self, ins) -> Iterator[Wait] | None:
+        if self._loss_work is None and self.loss_plan is not None:
+            # a rank that runs no unit (a device the plan leaves empty) never reaches the
+            # ``on_begin`` that starts a share known from the start: it starts it here, so that
+            # every member of the loss's group issues the same all-reduce (the early one; the
+            # one ``LossSum`` issues in place may run another algorithm, ``exchange.all_reduce``
+            # with and without ``async_op`` over a group that is not a power of two)
+            self._start_loss()
         if self._loss_work is None:
             return super().on_loss_sum(ins)
         work, buf = self._loss_work
