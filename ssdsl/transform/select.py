@@ -56,7 +56,8 @@ def _ops(graph: Graph, sel: Selector, span: Span | None) -> set[str]:
     if isinstance(sel, PartOf):
         return _ops(graph, sel.base, span)
     if isinstance(sel, StageRef):
-        raise UnsupportedSelector(f"stage '{sel}' cannot be used by partition or replicate",
+        raise UnsupportedSelector(f"stage '{sel}' cannot select operators in this statement "
+                                  f"(a stage is taken by assign, order and recompute only)",
                                   span, hint="select the stage's operators by module path")
     raise TypeError(f"unknown selector {sel!r}")
 
