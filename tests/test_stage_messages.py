@@ -1,7 +1,5 @@
 """Refusals of stage groups in statements that do not take them point at the statement that
-uses the stage and say what it does wrong (they blamed the `stages` line, "not assigned to any
-device", when the plan assigned the stage's parts one by one; and called `zero` "partition or
-replicate")."""
+uses the stage and say what it does wrong (they called `zero` "partition or replicate")."""
 
 from __future__ import annotations
 
@@ -12,17 +10,6 @@ from ssdsl.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "examples" / "mlp.py")
-
-BY_PARTS = """plan p()
-partition all along batch into 2
-microbatch along batch into 2
-stages into 2 as st
-assign part 0 of st[0] to device 0
-assign part 1 of st[0] to device 1
-assign st[1] to devices [2, 3]
-order on devices 0..2: forward st[0] mb 0..2, backward st[0] mb 0..2
-order on devices 2..4: forward st[1] mb 0..2, backward st[1] mb 0..2
-"""
 
 ZERO_OF_STAGE = """plan p()
 partition all along batch into 2
@@ -46,15 +33,6 @@ def _errors(tmp_path, capsys, text: str) -> list[dict]:
 
 def _line_of(text: str, start: str) -> int:
     return next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith(start))
-
-
-def test_a_stage_assigned_by_parts_is_refused_at_that_assign(tmp_path, capsys):
-    errors = _errors(tmp_path, capsys, BY_PARTS)
-    assert len(errors) == 1, errors
-    e = errors[0]
-    assert e["line"] == _line_of(BY_PARTS, "assign part 0 of st[0]")
-    assert "by parts" in e["message"] and "not assigned to any device" not in e["message"]
-    assert "assign st[0] to devices" in e["hint"]
 
 
 def test_zero_of_a_stage_is_not_called_partition_or_replicate(tmp_path, capsys):

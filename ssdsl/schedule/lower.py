@@ -29,8 +29,8 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from ssdsl.elaborate.directives import (Assign, Microbatch, OrderBefore, OrderSequence, PartOf,
-                                        StageRef, Stages, WorkUnit)
+from ssdsl.elaborate.directives import (Assign, Microbatch, OrderBefore, OrderSequence, StageRef,
+                                        Stages, WorkUnit)
 from ssdsl.errors import ErrorCollector, SsdslError
 from ssdsl.schedule.deps import data_deps, required_units
 from ssdsl.schedule.units import Pass, Program, Schedule, StageGraph, Unit
@@ -92,34 +92,12 @@ def _stage_groups(directives: Sequence[object], st: Stages) -> list[tuple[int, .
                     f"stage {st.name}[{i}] is assigned to devices {list(d.devices)} here and to "
                     f"{list(groups[i][0])} at line {groups[i][1].line}", d.span))
             groups.setdefault(i, (d.devices, d.span))
-    by_parts: dict[int, Span] = {}  # ``assign part k of st[i] ...``: the first, per stage
-    for d in directives:
-        if isinstance(d, Assign) and isinstance(d.selector, PartOf) \
-                and isinstance(d.selector.base, StageRef) and d.selector.base.group == st.name:
-            by_parts.setdefault(d.selector.base.index, d.span)
     for i in range(st.count):
-        if i in groups:
-            continue
-        if i in by_parts:  # the plan does place the stage, by parts: say so at that line
-            errors.add(UnassignedStage(
-                f"stage {st.name}[{i}] is assigned by parts "
-                f"('{_part_text(directives, by_parts[i])}'); a stage goes to one device group "
-                f"as a whole", by_parts[i],
-                hint=f"assign the stage whole: 'assign {st.name}[{i}] to devices [...]' spreads "
-                     f"its parts over those devices, part k to the k-th"))
-        else:
+        if i not in groups:
             errors.add(UnassignedStage(f"stage {st.name}[{i}] is not assigned to any device",
                                        st.span, hint=f"add 'assign {st.name}[{i}] to device N'"))
     errors.raise_if_any()
     return [groups[i][0] for i in range(st.count)]
-
-
-def _part_text(directives: Sequence[object], span: Span) -> str:
-    """The selector of the ``assign`` at ``span``, as written out."""
-    for d in directives:
-        if isinstance(d, Assign) and d.span == span:
-            return f"assign {d.selector}"
-    return "assign"
 
 
 def _classes(groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
