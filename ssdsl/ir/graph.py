@@ -87,6 +87,18 @@ def _freeze_kwargs(value: Mapping[str, Any] | tuple) -> tuple[tuple[str, Any], .
     return tuple(value.items()) if isinstance(value, Mapping) else tuple(value)
 
 
+# Short kind names for selectors (`kind(...)`), where the ATen name is long; every op the trace
+# or a later rewrite makes takes its kind from ``kind_of``, so `ssdsl trace` and selectors agree.
+KIND_NAMES = {"scaled_dot_product_attention": "sdpa", "cross_entropy_loss": "cross_entropy",
+              "_unsafe_view": "view", "_to_copy": "to_copy"}
+
+
+def kind_of(target: str) -> str:
+    """The kind of an op of ATen ``target`` (``aten.cross_entropy_loss.default``: cross_entropy)."""
+    name = target.split(".")[1]
+    return KIND_NAMES.get(name, name)
+
+
 @functools.lru_cache(maxsize=None)
 def writes_in_place(target: str) -> bool:
     """``aten.relu_.default``, ``aten.add_.Tensor``: an ATen op that writes its first argument

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from ssdsl.ir.graph import Op, TensorInfo, TensorRef
+from ssdsl.ir.graph import Op, TensorInfo, TensorRef, kind_of
 
 _ARANGE = {"aten.arange.default", "aten.arange.start", "aten.arange.start_step"}
 _UNSQUEEZE = {"aten.unsqueeze.default"}
@@ -89,7 +89,7 @@ def _row_pick(op: Op, x: TensorRef, j: TensorRef, tensors: dict[str, TensorInfo]
     tensors[names[2]] = TensorInfo(names[2], (n, 1, *rest), y.dtype)
 
     def made(name: str, target: str, args: tuple, ins: tuple[str, ...], out: str) -> Op:
-        return attrs.evolve(op, name=name, target=target, kind=target.split(".")[1], args=args,
+        return attrs.evolve(op, name=name, target=target, kind=kind_of(target), args=args,
                             kwargs=(), inputs=ins, outputs=(out,), returns="one")
     return [made(names[0], "aten.view.default", (j, tensors[names[0]].shape), (j.name,),
                  names[0]),

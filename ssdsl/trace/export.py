@@ -22,7 +22,7 @@ import torch.fx
 from ssdsl.errors import SsdslError
 from ssdsl.source import Span, file_line, shown_path
 from ssdsl.ir.grad import grad_tensors, loss_grad_tensors
-from ssdsl.ir.graph import Graph, Op, TensorInfo, TensorRef
+from ssdsl.ir.graph import Graph, Op, TensorInfo, TensorRef, kind_of
 from ssdsl.trace.aligned import align_arange_indices
 from ssdsl.trace.dims import flow_names
 from ssdsl.trace.model_file import ModelFile
@@ -30,9 +30,6 @@ from ssdsl.trace.shared import share_parameters
 from ssdsl.trace.trial import (check_batch_deterministic, loss_fault, quiet_torch_logs,
                                refuse_random_operators, try_training_step)
 
-# Short kind names for selectors, where the ATen name is long.
-KIND_NAMES = {"scaled_dot_product_attention": "sdpa", "cross_entropy_loss": "cross_entropy",
-              "_unsafe_view": "view", "_to_copy": "to_copy"}
 
 
 class TraceError(SsdslError):
@@ -389,8 +386,7 @@ def _target_name(target: torch._ops.OpOverload) -> str:
 
 
 def _kind(target: str) -> str:
-    name = target.split(".")[1]
-    return KIND_NAMES.get(name, name)
+    return kind_of(target)
 
 
 def _module_calls(node: torch.fx.Node) -> tuple[tuple[str, int], ...]:

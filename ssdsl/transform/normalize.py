@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from ssdsl.ir.graph import Graph, Op, TensorInfo, TensorRef
+from ssdsl.ir.graph import Graph, Op, TensorInfo, TensorRef, kind_of
 
 # loss overload -> (position of weight or None, position of reduction, position of ignore_index)
 _TERM_LOSSES = {
@@ -90,7 +90,7 @@ class _Rewriter:
         name = self.fresh(base)
         self.tensors[name] = attrs.evolve(info, name=name)
         inputs = tuple(_refs(args)) + tuple(_refs(tuple(v for _, v in kwargs)))
-        return Op(name=name, target=target, kind=target.split(".")[1], module=like.module,
+        return Op(name=name, target=target, kind=kind_of(target), module=like.module,
                   args=args, kwargs=kwargs, inputs=inputs, outputs=(name,))
 
     def consumers(self, tensor: str) -> list[Op]:
