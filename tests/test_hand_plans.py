@@ -51,3 +51,32 @@ def test_loss_selected_by_its_printed_kind():
 @pytest.mark.slow
 def test_loss_partitioned_by_kind_matches(capsys):
     assert_gloo_run_matches(capsys, GPT, str(HAND / "loss_kind_batch.ssp"), 2)
+
+
+# --- a stage placed part by part -----------------------------------------------------------------
+
+def _lowered(text: str, world: int):
+    return schedule_plan(_graph(GPT), elaborate_text(text, "hand.ssp", world=world))[1]
+
+
+def test_stage_assigned_part_by_part_is_placed():
+    """`assign each part i of st[0] in 0..2 to device i` placed the operators but the schedule
+    only counted `assign st[0] to ...`, so the plan was refused: 'stage st[0] is not assigned
+    to any device'. The stage's devices are those its parts are assigned to."""
+    lowered = _lowered((HAND / "stage_parts_assigned.ssp").read_text(), 4)
+    assert sorted(map(sorted, lowered.groups)) == [[0, 1], [2, 3]]
+
+
+def test_order_on_a_group_named_in_another_order():
+    """A stage on `devices [3, 2]` is ordered by `order on devices 2..4`: a group is a set."""
+    text = ("plan p()\nmicrobatch along batch into 2\nstages into 2 as st\n"
+            "partition all along batch into 2\n"
+            "assign st[0] to devices 0..2\nassign st[1] to devices [3, 2]\n"
+            "order on devices [1, 0]: forward st[0] mb 0..2, backward st[0] mb 0..2\n"
+            "order on devices 2..4: forward st[1] mb 0..2, backward st[1] mb 0..2\n")
+    assert len(_lowered(text, 4).groups) == 2
+
+
+@pytest.mark.slow
+def test_stage_assigned_part_by_part_matches(capsys):
+    assert_gloo_run_matches(capsys, GPT, str(HAND / "stage_parts_assigned.ssp"), 4)

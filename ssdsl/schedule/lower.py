@@ -29,8 +29,8 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from ssdsl.elaborate.directives import (Assign, Microbatch, OrderBefore, OrderSequence, StageRef,
-                                        Stages, WorkUnit)
+from ssdsl.elaborate.directives import (Assign, Microbatch, OrderBefore, OrderSequence, PartOf,
+                                        StageRef, Stages, WorkUnit)
 from ssdsl.errors import ErrorCollector, SsdslError
 from ssdsl.schedule.deps import data_deps, required_units
 from ssdsl.schedule.units import Pass, Program, Schedule, StageGraph, Unit
@@ -82,22 +82,48 @@ def _stages(directives: Sequence[object]) -> Stages | None:
 
 def _stage_groups(directives: Sequence[object], st: Stages) -> list[tuple[int, ...]]:
     groups: dict[int, tuple[tuple[int, ...], Span]] = {}
+    # ``assign part k of st[i] to device d`` (one statement per part, or ``assign each part``):
+    # the stage's group is the union of its parts' devices, in the order they are named
+    by_parts: dict[int, tuple[list[int], Span]] = {}
     errors = ErrorCollector()
     for d in directives:
-        if isinstance(d, Assign) and isinstance(d.selector, StageRef) \
-                and d.selector.group == st.name:
-            i = d.selector.index
-            if i in groups and groups[i][0] != d.devices:
-                errors.add(StageAssignedTwice(
-                    f"stage {st.name}[{i}] is assigned to devices {list(d.devices)} here and to "
-                    f"{list(groups[i][0])} at line {groups[i][1].line}", d.span))
-            groups.setdefault(i, (d.devices, d.span))
+        if not isinstance(d, Assign):
+            continue
+        prefix, base = _part_prefix(d.selector)
+        if not isinstance(base, StageRef) or base.group != st.name:
+            continue
+        i = base.index
+        if prefix:
+            devs, _ = by_parts.setdefault(i, ([], d.span))
+            devs += [x for x in d.devices if x not in devs]
+            continue
+        if i in groups and groups[i][0] != d.devices:
+            errors.add(StageAssignedTwice(
+                f"stage {st.name}[{i}] is assigned to devices {list(d.devices)} here and to "
+                f"{list(groups[i][0])} at line {groups[i][1].line}", d.span))
+        groups.setdefault(i, (d.devices, d.span))
+    for i, (devs, span) in by_parts.items():
+        if i not in groups:
+            groups[i] = (tuple(devs), span)
+        elif not set(devs) <= set(groups[i][0]):
+            errors.add(StageAssignedTwice(
+                f"parts of stage {st.name}[{i}] are assigned to devices {devs}, outside its "
+                f"devices {list(groups[i][0])} (line {groups[i][1].line})", span,
+                hint=f"assign the parts of {st.name}[{i}] to devices of its group"))
     for i in range(st.count):
         if i not in groups:
             errors.add(UnassignedStage(f"stage {st.name}[{i}] is not assigned to any device",
                                        st.span, hint=f"add 'assign {st.name}[{i}] to device N'"))
     errors.raise_if_any()
     return [groups[i][0] for i in range(st.count)]
+
+
+def _part_prefix(sel: object) -> tuple[tuple[int, ...], object]:
+    """``(index prefix, base)`` of ``part i of (part j of X)``; ``((), sel)`` for a plain one."""
+    prefix: tuple[int, ...] = ()
+    while isinstance(sel, PartOf):
+        prefix, sel = prefix + sel.index, sel.base
+    return prefix, sel
 
 
 def _classes(groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -197,10 +223,14 @@ def _sequence_ranks(d: OrderSequence, rank: dict[tuple[int, ...], int],
                     groups: list[tuple[int, ...]]) -> tuple[int, ...]:
     """The ranks an ``order on devices G`` sequence joins: G's own rank, each rank of G when G is
     a stage's group made of several (a shared stage), or the rank of the one device G names."""
-    if d.devices in rank:
-        return (rank[d.devices],)
-    if d.devices in groups:
-        return _hosts(d.devices, rank)
+    # a group is a set of devices: `order on devices 2..4` names a stage on `devices [3, 2]`
+    named = set(d.devices)
+    same = [c for c in rank if set(c) == named]
+    if same:
+        return (rank[same[0]],)
+    same = [g for g in groups if set(g) == named]
+    if same:
+        return _hosts(same[0], rank)
     owners = [g for g in rank if set(d.devices) <= set(g)]
     if len(owners) == 1 and len(d.devices) == 1:
         return (rank[owners[0]],)
