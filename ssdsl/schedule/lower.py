@@ -207,11 +207,24 @@ def _orders(directives: Sequence[object], st: Stages, rank: dict[tuple[int, ...]
     seqs: dict[int, list[tuple[Unit, Span]]] = defaultdict(list)
     befores: list[_Before] = []
     errors = ErrorCollector()
+    # the one device of a group an `order on device d` named, per rank: all the group's devices
+    # run that one program, so another of its devices cannot get an order of its own
+    alone: dict[int, tuple[int, Span]] = {}
+    group_of = {r: c for c, r in rank.items()}
     for d in directives:
         with errors.catch():
             if isinstance(d, OrderSequence):
                 units = [(_unit(wu, st, d.span), d.span) for wu in d.units]
                 for r in _sequence_ranks(d, rank, groups):
+                    if len(d.devices) == 1 and len(group_of[r]) > 1:
+                        dev, first = alone.setdefault(r, (d.devices[0], d.span))
+                        if dev != d.devices[0]:
+                            raise UnsupportedOrderUnit(
+                                f"order on device {d.devices[0]}: devices "
+                                f"{list(group_of[r])} run the same stages and so one program; "
+                                f"device {dev} was given its order at line {first.line}",
+                                d.span, hint=f"order them together: 'order on devices "
+                                f"{list(group_of[r])}: ...', once")
                     seqs[r] += units
             elif isinstance(d, OrderBefore):
                 befores.append((_unit(d.before, st, d.span), _unit(d.after, st, d.span), d.span))
