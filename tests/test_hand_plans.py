@@ -80,3 +80,15 @@ def test_order_on_a_group_named_in_another_order():
 @pytest.mark.slow
 def test_stage_assigned_part_by_part_matches(capsys):
     assert_gloo_run_matches(capsys, GPT, str(HAND / "stage_parts_assigned.ssp"), 4)
+
+
+# --- hand-written schedules and placements that must train like the plain model ---------------
+
+VALID = {"2f2b": 2, "eager1f1b": 2, "interleaved_custom": 2, "overlap_groups_perdev": 3,
+         "mixed_tp": 4}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(VALID))
+def test_hand_written_plan_matches(capsys, name):
+    assert_gloo_run_matches(capsys, GPT, str(HAND / f"{name}.ssp"), VALID[name])
