@@ -48,10 +48,13 @@ def _ops(graph: Graph, sel: Selector, span: Span | None) -> set[str]:
             taken |= _ops(graph, ex, span)
         return {op.name for op in graph.ops} - taken
     if isinstance(sel, Union):
+        _whole_parts_only(sel, span)
         return _ops(graph, sel.left, span) | _ops(graph, sel.right, span)
     if isinstance(sel, Intersect):
+        _whole_parts_only(sel, span)
         return _ops(graph, sel.left, span) & _ops(graph, sel.right, span)
     if isinstance(sel, Except):
+        _whole_parts_only(sel, span)
         return _ops(graph, sel.left, span) - _ops(graph, sel.right, span)
     if isinstance(sel, PartOf):
         return _ops(graph, sel.base, span)
@@ -60,6 +63,18 @@ def _ops(graph: Graph, sel: Selector, span: Span | None) -> set[str]:
                                   f"(a stage is taken by assign, order and recompute only)",
                                   span, hint="select the stage's operators by module path")
     raise TypeError(f"unknown selector {sel!r}")
+
+
+def _whole_parts_only(sel: Union | Intersect | Except, span: Span | None) -> None:
+    """``part i of X`` narrows the parts a whole statement selects (``part_prefix``); inside a
+    union, an intersection or an except it would select every part of X's operators."""
+    for side in (sel.left, sel.right):
+        if isinstance(side, PartOf):
+            raise UnsupportedSelector(
+                f"'{side}' inside '|', '&' or 'except' would select every part of its "
+                f"operators: `part i of` narrows the whole selector of a statement only", span,
+                hint=f"put the part around the rest: `part {', '.join(map(str, side.index))} "
+                     f"of (A | B)`, or write one statement per selection")
 
 
 def path_matches(sel: Path, module: str) -> bool:
