@@ -210,11 +210,17 @@ class Annotation:
         return found
 
     def label_for(self, name: str) -> str | None:
-        """The label that carries flowing name ``name`` (see ``ssdsl.ops.annotate``), or None."""
+        """The label that carries flowing name ``name`` (see ``ssdsl.ops.annotate``), or None.
+        Where an ``ignored`` input dim (read for its dtype and device only) carries the name too
+        (``x.new_ones(idx.shape)`` with ``x`` of another rank), the op's own dim names it: a
+        split along the ignored one would make every part compute the whole output."""
+        found = None
         for label, flowing in self.names.items():
             if flowing == name:
-                return label
-        return None
+                if label not in self.ignored:
+                    return label
+                found = found or label
+        return found
 
     def splittable(self) -> list[str]:
         """Labels that may be split: spatial and reduced ones."""

@@ -123,7 +123,8 @@ def _by_shift(t: Transformed, d: Microbatch
     found = False
     for op in t.graph.ops:
         label = b._label(op.name, d.dim) or b._follow(op.name, flowing)
-        if label is not None and len(t.parts[op.name]) > 1 and _dtype_slots(t, op.name, label):
+        if label is not None and (len(t.parts[op.name]) > 1 and _dtype_slots(t, op.name, label)
+                                  or _ignored_reads(t, op.name, flowing)):
             # a batch read for its dtype only, in parts (data parallelism replicated it): the
             # general path places it; alone, cutting it like the batch is right as it is
             return None
@@ -285,6 +286,12 @@ def _split(t: Transformed, d: Microbatch
             continue
         if label is not None:
             found = True
+            ignored = _ignored_reads(t, op.name, flowing)
+            if ignored:
+                # ``mask.type_as(embeds)`` of another rank: the batch of ``embeds`` is read for
+                # its dtype only while the op splits along its own batch; each micro-batch
+                # reads its own share of ``embeds`` there, not the whole tensor's rows
+                dtype_reads[op.name] = ignored
             b._record(op.name, label, flowing)
         elif any(x in flowing for x in op.inputs):
             raise NotMicrobatchable(
@@ -366,6 +373,19 @@ def _dtype_slots(t: Transformed, op: str, label: str) -> frozenset[int]:
         return frozenset()
     return frozenset(i for i, sig in enumerate(ann.inputs)
                      if any(f.label == label for dim in sig for f in dim))
+
+
+def _ignored_reads(t: Transformed, op: str, flowing: Mapping[str, int]) -> frozenset[int]:
+    """The input slots of ``op`` that read a tensor split into micro-batches only for its
+    dtype and device: the dim the batch flows on is an ``ignored`` label there (``x.type_as(y)``
+    or ``y.new_ones(...)`` where ``y``'s rank differs from the output's)."""
+    ann = t.annotations[op]
+    if not isinstance(ann, Annotation) or not ann.ignored:
+        return frozenset()
+    names = t.graph.op(op).inputs
+    return frozenset(i for i, sig in enumerate(ann.inputs)
+                     if (dim := flowing.get(names[i])) is not None and dim < len(sig)
+                     and sig[dim] and all(f.label in ann.ignored for f in sig[dim]))
 
 
 def _pieces(t: Transformed, b: _Builder, part: Part, label: str | None, d: Microbatch,
