@@ -19,6 +19,8 @@ Three checks, from local to global:
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping
 
 import attrs
@@ -156,14 +158,13 @@ def compare_with_model(m: Materialized, model_file: ModelFile, sim: Simulation, 
                         optimizer=optimizer or OptimizerSpec("sgd"), grad_steps=(0,))
     ref_loss, ref_grads = ref.losses[0], ref.grads[0]
     g = m.transformed.graph
-    scale = max(float(t.abs().max()) for t in ref_grads.values())
-    loss_err = abs(sim.loss - ref_loss) / max(1.0, abs(ref_loss))
+    scale = max((_finite_max(t) for t in ref_grads.values()), default=0.0) or 1.0
+    loss_err = _loss_error(sim.loss, ref_loss)
     errors = []  # (device, parameter name, region, error)
     for dev, mine in sorted(sim.grads.items()):
         for (name, region), grad in mine.items():
             want = region.slice_of(_ref_grad(g, ref_grads, name))
-            errors.append((dev, name, region,
-                           float((grad - want).abs().max()) / scale if grad.numel() else 0.0))
+            errors.append((dev, name, region, _max_error(grad, want) / scale))
     worst = max((e for *_, e in errors), default=0.0)
     if rtol is None:
         # The tolerance of the precision the model really computes in: a model that casts its
@@ -184,7 +185,7 @@ def compare_with_model(m: Materialized, model_file: ModelFile, sim: Simulation, 
         problems.append(f"loss {sim.loss!r} differs from the plain model's {ref_loss!r}")
     problems += [f"rank {rank} reports the loss {got!r}, not the plain model's {ref_loss!r}"
                  for rank, got in sorted(sim.losses.items())
-                 if got is None or abs(got - ref_loss) / max(1.0, abs(ref_loss)) > rtol]
+                 if got is None or _loss_error(got, ref_loss) > rtol]
     problems += [f"device {dev}: gradient of {g.params[name]} {region!r} off by {err:.3g} "
                  "(relative to the largest gradient entry)"
                  for dev, name, region, err in errors if err > rtol]
@@ -199,7 +200,7 @@ def _step_problems(g, sim: Simulation, after: Mapping[str, torch.Tensor],
     its own (``after``), relative to the largest entry of the plain model's update of the
     graph's parameters (``update``: after minus before, ``RunRecord.updates``)."""
     changes = (_plain(g, update, name) for name in g.params)
-    scale = max((float(t.abs().max()) for t in changes if t is not None and t.numel()),
+    scale = max((_finite_max(t) for t in changes if t is not None and t.numel()),
                 default=0.0)
     if scale == 0.0:  # no update at all (a zero learning rate): nothing to compare it with
         return []
@@ -209,7 +210,7 @@ def _step_problems(g, sim: Simulation, after: Mapping[str, torch.Tensor],
             want = _plain(g, after, name)
             if want is None or not value.numel():
                 continue
-            err = float((value - region.slice_of(want)).abs().max()) / scale
+            err = _max_error(value, region.slice_of(want)) / scale
             if err > rtol:
                 out.append(f"device {dev}: {g.params[name]} {region!r} after the optimizer's "
                            f"step off by {err:.3g} (relative to the largest update entry; the "
@@ -230,6 +231,32 @@ def observed_precision(model_file: ModelFile, *, seed: int, dtype: torch.dtype,
     with torch.no_grad(), PrecisionWatch(dtype, [*model.parameters(), *floats]) as watch:
         model_file.loss(model(*inputs), target)
     return watch.dtype
+
+
+def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest entry of ``|got - want|``; an entry NaN or infinite in one and not the same
+    in the other is infinitely off (a NaN compares false with any tolerance: it must not pass as
+    a match), one NaN in both (a plain model that computes NaN itself) is not off."""
+    if not got.numel():
+        return 0.0
+    same = (got == want) | (got.isnan() & want.isnan())
+    diff = torch.where(same, torch.zeros((), dtype=got.dtype), (got - want).abs())
+    worst = float(diff.max())
+    return math.inf if math.isnan(worst) else worst
+
+
+def _loss_error(got: float, want: float) -> float:
+    """The loss's error relative to ``max(1, |want|)``, as ``_max_error`` treats NaN."""
+    if got == want or (math.isnan(got) and math.isnan(want)):
+        return 0.0
+    err = abs(got - want) / max(1.0, abs(want)) if math.isfinite(want) else math.inf
+    return math.inf if math.isnan(err) else err
+
+
+def _finite_max(t: torch.Tensor) -> float:
+    """The largest finite ``|entry|`` of ``t`` (0 when it has none)."""
+    finite = t[t.isfinite()]
+    return float(finite.abs().max()) if finite.numel() else 0.0
 
 
 def _rtol(dtype: torch.dtype) -> float:
