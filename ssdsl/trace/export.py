@@ -95,7 +95,7 @@ def trace(model_file: ModelFile, *, device: str = "meta", batch_size: int | None
         fault = loss_fault(model_file, exc)
         if fault is not None:
             raise fault from exc
-        at = _stopped_at(getattr(exc, "partial_fx_graph", None))
+        at = _stopped_at(getattr(exc, "partial_fx_graph", None)) or _raised_at(exc)
         raise TraceError(f"torch.export failed on the model's forward and loss: "
                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                          + (" (the trace stopped at this line)" if at is not None else ""), at,
@@ -121,6 +121,21 @@ def _stopped_at(partial_graph: Any) -> Span | None:
         return None
     path, line = found[-1]
     return file_line(path, int(line), shown_path(path)) if Path(path).exists() else None
+
+
+def _raised_at(exc: BaseException) -> Span | None:
+    """The innermost frame of ``exc``'s traceback outside torch and ssdsl: the line of the
+    model's code (the model file's, or a library's such as HF's ``modeling_*.py``) whose call
+    failed under the trace (a shape that does not broadcast there), or None."""
+    import traceback
+    skip = (str(Path(torch.__file__).resolve().parent), str(Path(__file__).resolve().parents[1]))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(skip)
+              and Path(f.filename).exists()]
+    if not frames:
+        return None
+    last = frames[-1]
+    return file_line(last.filename, last.lineno, shown_path(last.filename))
 
 
 def _model_file_lines(ep: torch.export.ExportedProgram, path: str) -> dict[str, int]:
