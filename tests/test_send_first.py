@@ -53,6 +53,17 @@ def _halves(p) -> list[tuple[int, str]]:
     return out
 
 
+def _split_b_units(p) -> list[str]:
+    """The ``B`` units that hold an input half (split by the lowering)."""
+    out, unit = [], ""
+    for x in p.instructions:
+        if x.kind == "begin":
+            unit = x.unit
+        elif x.kind == "backward_input" and "B" in unit:
+            out.append(unit)
+    return out
+
+
 def _last_backward_sends(p) -> bool:
     """Whether the rank's last backward unit sends another rank a gradient (a backward comm
     with a send)."""
@@ -216,7 +227,8 @@ def test_a_job_whose_ranks_share_cores_plans_every_backward_in_one_walk(tmp_path
                                                                        split):
     """The job decides once, before planning (``JobSpec.send_first``): on CPU ranks that share
     cores the second walk would take a core another rank needs. Without the split the programs
-    then have no parts; the split adds no work and stays. Both train like the model."""
+    then have no parts; the split of the last backward adds no work and stays, the split of
+    every other one (``DEFER_W``) costs CPU and goes. All train like the model."""
     import attrs
 
     from ssdsl.runtime.job import JobSpec, for_host, plan_from_graph
@@ -244,6 +256,8 @@ def test_a_job_whose_ranks_share_cores_plans_every_backward_in_one_walk(tmp_path
         programs = build.lower_plan(m).programs
         assert any(_parts(p) for p in programs) is (not shared and not split)
         assert any(_halves(p) for p in programs) is split
+        split_units = max(len({u for u in _split_b_units(p)}) for p in programs)
+        assert split_units == (0 if not split else 1 if shared else 4)  # 4 micro-batches
         problems, _, _ = compare_with_model(m, mf, simulate_model_file(m, programs, mf))
         assert not problems, problems
 

@@ -90,7 +90,8 @@ SPLIT_LAST = True
 # ``_backward``): the stage before gets its gradients a weight half sooner in every cycle, and
 # the deferred half runs while this rank would wait for that stage's next activations. At most
 # one weight half waits at a time, so a stage after the first holds at most the activations
-# the first one holds under 1F1B. False splits only the last backward (benchmarks compare)
+# the first one holds under 1F1B. Only where the ranks have cores of their own
+# (``Materialized.send_first``). False splits only the last backward (benchmarks compare)
 DEFER_W = True
 
 # False sums the loss over all ranks even where each holds all of it (``own_loss``;
@@ -1042,12 +1043,15 @@ class _RankLowering:
         two walks and 0.976 as with none).
 
         With ``DEFER_W``, every backward unit of such a stage on this rank is split, and each
-        weight half runs one backward later (``_backward``)."""
+        weight half runs one backward later (``_backward``), where the ranks have cores of their
+        own (``Materialized.send_first``): each split costs CPU (about 0.6 ms a backward on the
+        peers' GPT), which ranks that share cores pay in time (4 ranks on 2 cores: the step
+        1.021 times as long with it; 2 ranks: 0.984)."""
         unit = self.device_last_backward
         if (not (SEND_FIRST and SPLIT_LAST) or self.split
                 or unit is None or self.z3 or self.c.recompute):
             return frozenset()
-        if DEFER_W:
+        if DEFER_W and self.m.send_first:  # ranks with cores of their own (see the docstring)
             return frozenset(f"{stage}F{mb}" for stage, pass_, mb in
                              (_split_unit(u) for u, _ in self._units)
                              if pass_ == "B" and self._stage_sends_back(stage))
