@@ -85,13 +85,14 @@ SEND_FIRST = True
 # in all; False: walked twice, the second time whole (``_sent_first``; benchmarks compare)
 SPLIT_LAST = True
 
-# True: a rank whose stage sends gradients to another device splits every backward of it into its
-# halves and runs each weight half after the next backward's input half (``_split_last``,
-# ``_backward``): the stage before gets its gradients a weight half sooner in every cycle, and
-# the deferred half runs while this rank would wait for that stage's next activations. At most
-# one weight half waits at a time, so a stage after the first holds at most the activations
-# the first one holds under 1F1B. Only where the ranks have cores of their own
-# (``Materialized.send_first``). False splits only the last backward (benchmarks compare)
+# True: the rank of pipeline stage k > 0 (its first stage, where its backwards send gradients to
+# another device) also splits its first k backwards into their halves and runs their weight
+# halves at the end, after its last backward's (``_split_last``, ``_backward``): the chain of
+# gradients down the pipeline starts a weight half sooner and stays ahead, and the deferred
+# halves fill the cool-down, where this rank waits for the stages before to finish. A stage k
+# holds k + (stages - k) micro-batches' activations at most, the first stage's 1F1B bound.
+# Only where the ranks have cores of their own (``Materialized.send_first``: a split costs
+# CPU). False splits the last backward only (benchmarks compare)
 DEFER_W = True
 
 # False sums the loss over all ranks even where each holds all of it (``own_loss``;
@@ -397,7 +398,8 @@ class _RankLowering:
         # leaf (the leaves included), values depending on a parameter
         self.split = False
         self.split_units: frozenset[str] = frozenset()  # forward units split alone (_split_last)
-        self.pending_w: tuple[int, int, Span | None] | None = None  # a deferred weight half
+        self.deferred_w: frozenset[str] = frozenset()  # DEFER_W: forwards whose W waits
+        self.pending_w: list[tuple[int, int, Span | None]] = []  # DEFER_W: halves waiting
         self._sends_back_stage: dict[int, bool] = {}
         self._units: tuple = ()
         self.activation_side: set[str] = set()
@@ -452,9 +454,10 @@ class _RankLowering:
                 self._forward(unit, stage, mb)
             elif pass_ == "B":
                 self._backward(unit, stage, mb, span)
-                if unit == self.device_last_backward and self.pending_w is not None:
-                    self._weight_grad(*self.pending_w)  # DEFER_W: the last one waits no longer
-                    self.pending_w = None
+                if unit == self.device_last_backward:  # DEFER_W: they wait no longer
+                    for pending in self.pending_w:
+                        self._weight_grad(*pending)
+                    self.pending_w = []
             elif pass_ == "I":
                 self._input_grad(stage, mb, span)
             elif pass_ == "W":
@@ -986,13 +989,10 @@ class _RankLowering:
             return  # the checker names a backward without its forward
         if forward in self.split_units:  # its input half, what it sends, then its weight half
             self._input_grad(stage, mb, span)
-            if len(self.split_units) == 1:
+            if forward in self.deferred_w:  # DEFER_W: after the rank's last backward's
+                self.pending_w.append((stage, mb, span))
+            else:
                 self._weight_grad(stage, mb, span)
-                return
-            # DEFER_W: the weight half of the backward before, this one's after the next
-            if self.pending_w is not None:
-                self._weight_grad(*self.pending_w)
-            self.pending_w = (stage, mb, span)
             return
         runs = [it for it in reversed(items) if isinstance(it, _Segment)
                 and (it.seeds or it.roots or it.collect)]
@@ -1042,21 +1042,27 @@ class _RankLowering:
         False; on the peers' 1f1b, 4 ranks on 2 cores, the step 0.974 times as long as with the
         two walks and 0.976 as with none).
 
-        With ``DEFER_W``, every backward unit of such a stage on this rank is split, and each
-        weight half runs one backward later (``_backward``), where the ranks have cores of their
-        own (``Materialized.send_first``): each split costs CPU (about 0.6 ms a backward on the
-        peers' GPT), which ranks that share cores pay in time (4 ranks on 2 cores: the step
-        1.021 times as long with it; 2 ranks: 0.984)."""
+        With ``DEFER_W``, where the ranks have cores of their own (``Materialized.send_first``:
+        each split costs CPU, about 0.6 ms a backward on the peers' GPT, which ranks that share
+        cores pay in time), a rank whose first stage k sends gradients back also splits its
+        first k backward units and runs their weight halves after the last one's
+        (``deferred_w``, ``_backward``)."""
         unit = self.device_last_backward
         if (not (SEND_FIRST and SPLIT_LAST) or self.split
                 or unit is None or self.z3 or self.c.recompute):
             return frozenset()
-        if DEFER_W and self.m.send_first:  # ranks with cores of their own (see the docstring)
-            return frozenset(f"{stage}F{mb}" for stage, pass_, mb in
-                             (_split_unit(u) for u, _ in self._units)
-                             if pass_ == "B" and self._stage_sends_back(stage))
         stage, _, mb = _split_unit(unit)
-        return frozenset({f"{stage}F{mb}"}) if self._stage_sends_back(stage) else frozenset()
+        last = f"{stage}F{mb}"
+        split = {last} if self._stage_sends_back(stage) else set()
+        if DEFER_W and self.m.send_first:
+            backwards = [(st, k) for st, pass_, k in (_split_unit(u) for u, _ in self._units)
+                         if pass_ == "B"]
+            first = min(st for st, _ in backwards)
+            early = [f"{st}F{k}" for st, k in backwards
+                     if self._stage_sends_back(st)][:first]
+            self.deferred_w = frozenset(u for u in early if u != last)
+            split |= self.deferred_w
+        return frozenset(split)
 
     def _stage_sends_back(self, stage: int) -> bool:
         """Whether stage ``stage``'s backward on this rank sends gradients to another device."""
