@@ -576,3 +576,5 @@ def test_the_cost_model_reads_which_backwards_the_lowering_splits_or_walks_in_tw
     assert (costs.split_first, costs.sent_first) == (
         (frozenset({(1, 1, 0), (1, 1, 3)}), frozenset()) if split
         else (frozenset(), frozenset({(1, 1, 3)})))
+    # the first one does its input half, the last its own backward and the first's weight half
+    assert costs.backward_work == ({(1, 1, 0): 0.5, (1, 1, 3): 1.5} if split else {})

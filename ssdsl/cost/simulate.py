@@ -160,9 +160,13 @@ def _reduced_at(costs: PlanCosts, intervals: list[Interval], rank: int, d: int,
 
 def _walks(costs: PlanCosts, d: int, unit: Unit) -> float:
     """How many backwards' work ``unit`` does on device ``d``: an input half and a whole one
-    where the programs walk it in two (``PlanCosts.sent_first``), else 1."""
-    if unit.kind is Pass.B and (d, unit.stage, unit.mb) in costs.sent_first:
-        return 1 + _HALF[Pass.I]
+    where the programs walk it in two (``PlanCosts.sent_first``), what a split unit does where
+    a weight half waits for a later one (``PlanCosts.backward_work``), else 1."""
+    if unit.kind is Pass.B:
+        key = (d, unit.stage, unit.mb)
+        if key in costs.sent_first:
+            return 1 + _HALF[Pass.I]
+        return costs.backward_work.get(key, 1.0)
     return 1.0
 
 

@@ -98,6 +98,10 @@ class PlanCosts:
     # the same, of each backward unit whose program splits it into its input and weight halves
     # (``BackwardInput`` then ``BackwardWeight`` in a ``B`` unit): one walk's work in all
     split_first: frozenset[tuple[int, int, int]] = frozenset()
+    # of those, the ones whose backward work is not one whole backward's: how many backwards'
+    # work each does (an input half alone, 0.5, where its weight half runs later; the unit that
+    # runs it, 0.5 more: ``ssdsl.lower.build.DEFER_W``)
+    backward_work: Mapping[tuple[int, int, int], float] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -124,22 +128,26 @@ def plan_costs(m: Materialized, opts: CostOptions) -> PlanCosts:
     fwd_delay, bwd_delay = _adapters(m, opts, units)
     memory, reducer, optimizer, overlapped = _static(m, opts, devices)
     frozen = {k: UnitCost(**v) for k, v in units.items()}
-    twice, split = _sent_first(m)
+    twice, split, work = _sent_first(m)
     return PlanCosts(frozen, fwd_delay, bwd_delay, reducer, optimizer, memory, devices,
-                     loss_collective(m), overlapped, sent_first=twice, split_first=split)
+                     loss_collective(m), overlapped, sent_first=twice, split_first=split,
+                     backward_work=work)
 
 
 def _sent_first(m: Materialized) -> tuple[frozenset[tuple[int, int, int]],
-                                          frozenset[tuple[int, int, int]]]:
-    """The backward units the lowering walks in two (``Backward.part == 'sent'``) and those it
-    splits in halves (a ``BackwardInput`` in a ``B`` unit), per device: read from one program
-    per pipeline rank (a rank's devices run the same units)."""
+                                          frozenset[tuple[int, int, int]],
+                                          dict[tuple[int, int, int], float]]:
+    """The backward units the lowering walks in two (``Backward.part == 'sent'``), those it
+    splits in halves (a ``BackwardInput`` in a ``B`` unit), and the backwards' work of those
+    split units that do not do one whole backward's (``PlanCosts.backward_work``), per device:
+    read from one program per pipeline rank (a rank's devices run the same units)."""
     lowered = m.schedule
     if lowered is None or lowered.schedule.stages.num_stages < 2:
-        return frozenset(), frozenset()
+        return frozenset(), frozenset(), {}
     classes, twice, split = classes_of(m), set(), set()
+    work: dict[tuple[int, int, int], float] = {}
     for group in lowered.groups:
-        unit = None
+        unit, last, halves = None, None, {}
         for ins in classes.representative(group[0]).instructions:
             if ins.kind == "begin":
                 unit = ins.unit
@@ -148,7 +156,17 @@ def _sent_first(m: Materialized) -> tuple[frozenset[tuple[int, int, int]],
                 stage, mb = unit.split("B")
                 into = split if ins.kind == "backward_input" else twice
                 into.update((d, int(stage), int(mb)) for d in group)
-    return frozenset(twice), frozenset(split)
+            elif unit is not None and "B" in unit and ins.kind == "free" \
+                    and last == "backward_weight":  # a weight half ends here
+                halves[unit] = halves.get(unit, 0) + 1
+            if ins.kind.startswith("backward"):
+                last = ins.kind
+        for d in group:
+            for key in [k for k in split if k[0] == d]:
+                n = halves.get(f"{key[1]}B{key[2]}", 0)
+                if n != 1:  # its input half and n weight halves
+                    work[key] = 0.5 + 0.5 * n
+    return frozenset(twice), frozenset(split), work
 
 
 # ------------------------------------------------------------------------------ compute
