@@ -49,8 +49,8 @@ def test_unseeded_get_batch_is_refused():
 
 
 def _inject(monkeypatch, fault):
-    def planned(spec, world):
-        mf, m, model = plan_job(spec, world)
+    def planned(spec, world, *, model_file=None):
+        mf, m, model = plan_job(spec, world, model_file=model_file)
         return mf, fault(m), model
     monkeypatch.setattr(preflight, "plan_job", planned)
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from ssdsl.errors import ErrorCollector
+from ssdsl.errors import ErrorCollector, SsdslError
 from ssdsl.elaborate.directives import Assign, Microbatch, Path, Recompute, Stages, StageRef
 from ssdsl.gcpause import gc_paused
 from ssdsl.ir.batchfree import batch_free
@@ -235,13 +235,16 @@ def forward_only_stages(t: Transformed) -> frozenset[int]:
     return frozenset(set(t.stage_of.values()) - with_grad)
 
 
+class TrainedStageOnlyForward(SsdslError):
+    """The plan orders only forwards of a stage whose operators the loss differentiates."""
+
+
 def _check_trained_stages_have_backwards(t: Transformed, lowered: Lowered) -> None:
     """A stage the loss differentiates (some operator of it computes what the gradient flows
     through) of which the plan orders forwards only: name those operators, since the plan's
     author took the stage for a forward-only one (a recycling pass before the last, which a
     trained operator outside the trunk joined) or forgot its backwards. The schedule checker's
     own rule (every unit once) would say only which micro-batches lack a backward."""
-    from ssdsl.check.schedule import MissingUnit
     from ssdsl.schedule.units import Pass
     sched = lowered.schedule
     with_backward = {u.stage for p in sched.programs for u in p.units if u.kind is not Pass.F}
@@ -263,7 +266,7 @@ def _check_trained_stages_have_backwards(t: Transformed, lowered: Lowered) -> No
         shown = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if len(modules) > 3
                                           else "")
         where = t.graph.origin(trained[0].name) if trained else None
-        err = MissingUnit(
+        err = TrainedStageOnlyForward(
             f"the plan orders only forwards of stage {s}, but the loss differentiates what it "
             f"computes: the operators of {shown} (the gradient reaches them without a "
             ".detach()) need its backwards", [first_forward[s]],
