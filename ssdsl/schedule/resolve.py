@@ -269,7 +269,7 @@ def _check_trained_stages_have_backwards(t: Transformed, lowered: Lowered) -> No
         err = TrainedStageOnlyForward(
             f"the plan orders only forwards of stage {s}, but the loss differentiates what it "
             f"computes: the operators of {shown} (the gradient reaches them without a "
-            ".detach()) need its backwards", [first_forward[s]],
+            ".detach()) need its backwards", first_forward[s],
             hint=f"order the backwards of stage {s} for every micro-batch, or select those "
                  "operators into a stage that has backwards (a recycling plan orders backwards "
                  "of its last pass only: a trained operator before the trunk needs a stage of "
