@@ -190,3 +190,51 @@ def test_run_verifies_while_the_ranks_start_and_none_trains_a_wrong_plan(monkeyp
     assert code == 2, err
     assert "differs from the plain model" in err and "megatron_tp.ssp:" in err
     assert "step 1/2" not in out and "trained" not in out
+
+
+FLOOR_MODEL = '''
+import torch
+from torch import nn
+BATCH_SIZE = 4
+
+
+class Floored(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        s = self.lin(x)
+        return torch.maximum(s, torch.full((), torch.finfo(s.dtype).min))  # no dtype: float32
+
+
+def build_model():
+    return Floored()
+
+
+def get_batch(step, batch_size):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(batch_size, 8, generator=g),), torch.randint(0, 8, (batch_size,),
+                                                                     generator=g)
+'''
+
+
+def test_a_model_that_does_not_train_in_the_runs_dtype_is_refused_at_its_line(tmp_path):
+    """HF XGLM's pattern: ``torch.full((), finfo(x.dtype).min)`` without a dtype overflows
+    float32 when x is float64. The plain model itself raises then (oracle: eager, below), so
+    the ranks would too: the launch is refused at the model's line, not blamed on the simulator
+    and left to fail in the ranks; in float32 the same file verifies."""
+    import torch
+
+    from ssdsl.trace.model_file import PlainModelRaised, load_model_file
+    path = tmp_path / "floored.py"
+    path.write_text(FLOOR_MODEL)
+    model = load_model_file(str(path)).build(seed=0).double()
+    with pytest.raises(RuntimeError, match="overflow"):
+        model(torch.randn(4, 8, dtype=torch.float64))
+    with pytest.raises(PlainModelRaised) as info:
+        verify_before_launch(JobSpec(str(path), "dp", dtype="float64"), 1)
+    err = info.value
+    assert "does not train in float64" in err.message and "overflow" in err.message
+    assert err.span is not None and "torch.full" in FLOOR_MODEL.splitlines()[err.span.line - 1]
+    assert verify_before_launch(JobSpec(str(path), "dp"), 1).verified

@@ -143,6 +143,12 @@ def _simulated(m: Materialized, mf: ModelFile, spec: JobSpec, start: float) -> A
         verdict = simulate_step(m, mf, seed=spec.seed, batch_size=spec.batch_size,
                                 optimizer=_optimizer_of(spec))
     except SimulatorCannotRun as why:
+        if why.plain is not None and str(m.dtype).removeprefix("torch.") == spec.dtype:
+            # the plain model itself fails in the dtype the ranks run in: so would they
+            err = why.plain
+            err.message = (f"{err.message}; the ranks would fail the same way: the model does "
+                           f"not train in {spec.dtype} here")
+            raise err
         return Verification("not verified", str(why), time.perf_counter() - start)
     if not verdict.ok:
         raise _difference(m, mf, verdict, seed=spec.seed, batch_size=spec.batch_size)
@@ -197,7 +203,12 @@ def check_batch_shard(mf: ModelFile, batch_size: int | None, m: Materialized) ->
 
 
 class SimulatorCannotRun(Exception):
-    """The all-ranks simulator does not run this plan (not a fault of the plan)."""
+    """The all-ranks simulator does not run this plan (not a fault of the plan); ``plain``: the
+    plain model's own failure in that dtype, where that is why."""
+
+    def __init__(self, message: str, plain: PlainModelRaised | None = None) -> None:
+        super().__init__(message)
+        self.plain = plain
 
 
 def simulate_step(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int | None,
@@ -221,14 +232,35 @@ def simulate_step(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int 
         raise SimulatorCannotRun(f"the all-ranks simulator cannot run this plan yet ({exc})") \
             from exc
     except PlainModelRaised as err:  # no reference in this dtype: not the simulator's fault
-        raise SimulatorCannotRun(f"{err.message}{f' at {err.span}' if err.span else ''}") \
-            from err
+        raise SimulatorCannotRun(f"{err.message}{f' at {err.span}' if err.span else ''}",
+                                 err) from err
     except SsdslError:
         raise
     except Exception as exc:  # noqa: BLE001 - a fault of the simulator: said, not hidden
+        # unless the plain model fails the same way in this dtype (the simulation runs first)
+        plain = _plain_model_fault(mf, seed=seed, batch_size=batch_size,
+                                   dtype=m.dtype if dtype is None else dtype)
+        if plain is not None:
+            raise SimulatorCannotRun(f"{plain.message}{f' at {plain.span}' if plain.span else ''}",
+                                     plain) from exc
         raise SimulatorCannotRun(f"the all-ranks simulator failed on this plan "
                                  f"({type(exc).__name__}: {exc}); please report it") from exc
     return PlanVerdict(tuple(problems), len(m.edges), (), sim.loss, ref_loss, worst)
+
+
+def _plain_model_fault(mf: ModelFile, *, seed: int, batch_size: int | None,
+                       dtype: torch.dtype) -> PlainModelRaised | None:
+    """What the plain model raises in one training step in ``dtype``, or None when it runs."""
+    from ssdsl.runtime.reference import run_reference
+    from ssdsl.runtime.train import OptimizerSpec
+    try:
+        run_reference(mf, steps=1, seed=seed, dtype=dtype, batch_size=batch_size,
+                      optimizer=OptimizerSpec("sgd"))
+    except PlainModelRaised as err:
+        return err
+    except Exception:  # noqa: BLE001 - not the plain model's own failure: the caller says what
+        return None
+    return None
 
 
 def _plan_for_verification(spec: JobSpec, world: int, model_file: ModelFile | None = None
