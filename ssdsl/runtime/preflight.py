@@ -143,8 +143,8 @@ def _simulated(m: Materialized, mf: ModelFile, spec: JobSpec, start: float) -> A
         verdict = simulate_step(m, mf, seed=spec.seed, batch_size=spec.batch_size,
                                 optimizer=_optimizer_of(spec))
     except SimulatorCannotRun as why:
-        if why.plain is not None and str(m.dtype).removeprefix("torch.") == spec.dtype:
-            # the plain model itself fails in the dtype the ranks run in: so would they
+        if why.both and str(m.dtype).removeprefix("torch.") == spec.dtype:
+            # the plain model fails in the dtype the ranks run in, and so did their programs
             err = why.plain
             err.message = (f"{err.message}; the ranks would fail the same way: the model does "
                            f"not train in {spec.dtype} here")
@@ -204,11 +204,15 @@ def check_batch_shard(mf: ModelFile, batch_size: int | None, m: Materialized) ->
 
 class SimulatorCannotRun(Exception):
     """The all-ranks simulator does not run this plan (not a fault of the plan); ``plain``: the
-    plain model's own failure in that dtype, where that is why."""
+    plain model's own failure in that dtype, where that is why; ``both``: the ranks' programs
+    failed in the simulation as well (else only the plain model did: an eager kernel without
+    that dtype, which the traced graph does not call)."""
 
-    def __init__(self, message: str, plain: PlainModelRaised | None = None) -> None:
+    def __init__(self, message: str, plain: PlainModelRaised | None = None,
+                 both: bool = False) -> None:
         super().__init__(message)
         self.plain = plain
+        self.both = both
 
 
 def simulate_step(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int | None,
@@ -242,7 +246,7 @@ def simulate_step(m: Materialized, mf: ModelFile, *, seed: int, batch_size: int 
                                    dtype=m.dtype if dtype is None else dtype)
         if plain is not None:
             raise SimulatorCannotRun(f"{plain.message}{f' at {plain.span}' if plain.span else ''}",
-                                     plain) from exc
+                                     plain, both=True) from exc
         raise SimulatorCannotRun(f"the all-ranks simulator failed on this plan "
                                  f"({type(exc).__name__}: {exc}); please report it") from exc
     return PlanVerdict(tuple(problems), len(m.edges), (), sim.loss, ref_loss, worst)
