@@ -236,3 +236,32 @@ def test_step_check_scales_by_the_parameters_update_not_the_buffers():
     assert len(problems) == 1 and "lin.weight" in problems[0] and "off by 0.001" in problems[0]
     same = Simulation(loss=0.0, grads={}, params={1: {("w0", region): after["lin.weight"]}})
     assert _step_problems(g, same, after, update, rtol=1e-9) == []
+
+
+def test_nan_on_both_sides_is_verifications_rule():
+    """``--check`` and verification before launch treat a NaN alike (they disagreed on HF CANINE
+    in float64, whose plain model computes NaN): the same NaN or inf on both sides is not off,
+    on one side only it is infinitely off; and the verdict says the plain model's own loss is
+    not finite. Oracle: values written by hand."""
+    from ssdsl.runtime.verify import _loss_error, _max_error
+    grads = torch.tensor([1.0, math.nan, 2.0, math.inf])
+    e = RunRecord((1.0, math.nan), {"a": grads.clone(), "b": torch.ones(2)})
+    a = RunRecord((1.0, math.nan), {"a": grads.clone(), "b": torch.ones(2)})
+    verdict = compare_runs(e, a, tolerance=tolerance_for(torch.float64))
+    assert verdict.ok, verdict.summary()
+    assert "the plain model's own loss is nan at step 1 (in 1 of 2 steps)" in verdict.summary()
+    assert relative_error(math.nan, math.nan) == 0.0 == _loss_error(math.nan, math.nan)
+    assert _max_error(grads.clone(), grads) == 0.0
+    # a NaN or an inf on one side only
+    for bad in ([1.0, 0.0, 2.0, math.inf], [1.0, math.nan, 2.0, 5.0], [math.nan, math.nan, 2.0,
+                                                                       math.inf]):
+        off = RunRecord((1.0, math.nan), {"a": torch.tensor(bad), "b": torch.ones(2)})
+        verdict = compare_runs(e, off, tolerance=tolerance_for(torch.float64))
+        assert not verdict.ok and verdict.worst[1].error == math.inf, bad
+    # the finite entries of a tensor that holds a shared NaN are still compared
+    near = grads.clone()
+    near[0] = 1.5
+    errors = norm_scaled_errors({"a": grads}, {"a": near})
+    assert 0 < errors["a"] < math.inf
+    assert "note" not in compare_runs(RunRecord((1.0,), {}), RunRecord((1.0,), {}),
+                                      tolerance=tolerance_for(torch.float64)).summary()

@@ -56,3 +56,15 @@ def test_errors_against_an_independent_computation():
     assert verify._loss_error(math.nan, 2.0) == math.inf
     assert verify._loss_error(math.nan, math.nan) == 0.0
     assert verify._loss_error(3.0, 2.0) == pytest.approx(0.5)
+
+
+def test_verified_line_says_the_plain_model_is_not_finite():
+    """A plan that reproduces a plain model's NaN is verified (the same rule as ``--check``'s
+    comparison), and the line says the model itself does not train in that dtype."""
+    from ssdsl.runtime.preflight import Verification
+    line = Verification("verified", seconds=1.0, dtype="float64", loss=math.nan,
+                        reference_loss=math.nan, max_grad_error=0.0).line()
+    assert "the plain model's own loss is nan in float64" in line
+    fine = Verification("verified", seconds=1.0, dtype="float64", loss=2.5,
+                        reference_loss=2.5, max_grad_error=0.0).line()
+    assert "note" not in fine

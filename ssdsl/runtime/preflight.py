@@ -23,6 +23,8 @@ available), or a plan the simulator cannot run yet.
 
 from __future__ import annotations
 
+import math
+
 import os
 import time
 from typing import Any
@@ -76,9 +78,14 @@ class Verification:
             took = f"{self.seconds:.1f} s" if self.held_ranks_s is None else \
                 f"{self.seconds:.1f} s while the ranks started, which then waited " \
                 f"{self.held_ranks_s:.2f} s for it"
-            return (f"verified before launch ({took}): one step of all ranks, "
+            said = (f"verified before launch ({took}): one step of all ranks, "
                     f"simulated in {self.dtype}, matches the plain model (loss {self.loss:.6g}, "
                     f"worst gradient error {self.max_grad_error:.2g})")
+            ref = self.reference_loss
+            if ref is not None and not math.isfinite(ref):
+                said += (f"; note the plain model's own loss is {ref} in {self.dtype}: the "
+                         "plan computes the same, the model does not train in this dtype")
+            return said
         return f"NOT verified against the plain model: {self.reason}"
 
     def as_dict(self) -> dict[str, Any]:

@@ -159,6 +159,13 @@ class Verdict:
             lines.append(f"  {mark:4} worst {m.what} error {m.error:.3g} at {m.where} "
                          f"(tolerance {m.tolerance:.0e})")
         lines += [f"  FAIL {p}" for p in self.problems]
+        bad = [(k, x) for k, x in enumerate(self.expected_losses) if not math.isfinite(x)]
+        if bad:
+            k, x = bad[0]
+            lines.append(f"  note the plain model's own loss is {x} at step {k} (in "
+                         f"{len(bad)} of {len(self.expected_losses)} steps): the comparison "
+                         "shows the plan computes the same, not that the model trains in this "
+                         "dtype")
         return "\n".join(lines)
 
     def per_step(self) -> str:
@@ -180,9 +187,13 @@ class Verdict:
 
 
 def relative_error(actual: float, expected: float) -> float:
-    """``|actual - expected| / |expected|``, absolute when expected is 0; NaN/inf give inf."""
+    """``|actual - expected| / |expected|``, absolute when expected is 0. A NaN or infinite
+    value on one side only is infinitely off; the same one on both (a plain model that computes
+    NaN itself, reproduced) is not: the rule of verification before launch
+    (``ssdsl.runtime.verify._loss_error``), so that the two never disagree."""
     if not (math.isfinite(actual) and math.isfinite(expected)):
-        return 0.0 if actual == expected else math.inf
+        same = actual == expected or (math.isnan(actual) and math.isnan(expected))
+        return 0.0 if same else math.inf
     return abs(actual - expected) / (abs(expected) or 1.0)
 
 
@@ -243,8 +254,10 @@ def norm_scaled_errors(expected: Tensors, actual: Tensors, *, problems: list[str
     """
     common = [n for n in expected if n in actual]
     floats = [n for n in common if expected[n].is_floating_point()]
-    total_sq = sum(float(expected[n].double().pow(2).sum()) for n in floats)
-    total_numel = sum(expected[n].numel() for n in floats) or 1
+    finite = {n: expected[n].detach().double().cpu() for n in floats}
+    finite = {n: t[t.isfinite()] for n, t in finite.items()}
+    total_sq = sum(float(t.pow(2).sum()) for t in finite.values())
+    total_numel = sum(t.numel() for t in finite.values()) or 1
     rms = math.sqrt(total_sq / total_numel)
     errors: dict[str, float] = {}
     for name in common:
@@ -255,6 +268,14 @@ def norm_scaled_errors(expected: Tensors, actual: Tensors, *, problems: list[str
                                 f"expected {tuple(e.shape)}")
             continue
         e64, a64 = e.detach().double().cpu(), a.detach().double().cpu()
+        # an entry NaN or infinite on both sides alike is not off (``relative_error``'s rule);
+        # on one side only it is infinitely off
+        same = ~e64.isfinite() & ((a64 == e64) | (a64.isnan() & e64.isnan()))
+        if bool(same.any()):
+            e64, a64 = e64.masked_fill(same, 0.0), a64.masked_fill(same, 0.0)
+        if not (bool(e64.isfinite().all()) and bool(a64.isfinite().all())):
+            errors[name] = math.inf
+            continue
         diff = float((a64 - e64).norm()) if e64.numel() else 0.0
         scale = max(float(e64.norm()), rms * math.sqrt(e64.numel()))
         errors[name] = diff / scale if scale else (0.0 if diff == 0 else math.inf)
