@@ -578,3 +578,24 @@ def test_the_cost_model_reads_which_backwards_the_lowering_splits_or_walks_in_tw
         else (frozenset(), frozenset({(1, 1, 3)})))
     # the first one does its input half, the last its own backward and the first's weight half
     assert costs.backward_work == ({(1, 1, 0): 0.5, (1, 1, 3): 1.5} if split else {})
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_a_deferred_weight_half_keeps_its_activations_until_it_runs(m):
+    """``build.DEFER_W``: stage 1 (the last of 2) runs its first backward's input half alone and
+    that weight half in its last backward, so micro-batch 0's activations stay until then.
+    1F1B on the last stage is F0 B0 F1 B1 ...: by hand, one forward's activations (A) at most
+    without the deferral, 2 A with it (micro-batch 0's and the current one's), and nothing left
+    at the end."""
+    a = 5.0
+    s = one_f_one_b(2, m)
+    units = {k: attrs.evolve(c, activations=a) for k, c in _uniform(s).units.items()}
+    opts = CostOptions(profile=FLAT, cluster=Cluster(2, 8))
+    plain = attrs.evolve(_uniform(s), units=units)
+    deferred = attrs.evolve(plain, split_first=frozenset({(1, 1, 0), (1, 1, m - 1)}),
+                            backward_work={(1, 1, 0): 0.5, (1, 1, m - 1): 1.5})
+    groups = ((0,), (1,))
+    assert simulate_costs(plain, s, groups, opts).devices[1].peak_activations == a
+    r = simulate_costs(deferred, s, groups, opts)
+    assert r.devices[1].peak_activations == 2 * a
+    assert r.devices[1].memory_timeline[-2][1] == 0.0  # all freed by the last backward's end

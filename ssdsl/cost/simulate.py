@@ -239,6 +239,7 @@ def _device_report(costs: PlanCosts, schedule: Schedule, groups, intervals, d: i
     compute = flops = 0.0
     comm = costs.reducer.get(d, 0.0) + sum(t for _, t in costs.overlapped.get(d, ())) + loss
     live = peak_act = 0.0
+    waiting = 0.0  # activations of input halves whose weight halves run in a later unit
     timeline = [(0.0, static.total)]
     for iv in (iv for iv in intervals if iv.rank == rank):
         c = costs.units.get((d, iv.unit.stage), UnitCost())
@@ -257,7 +258,14 @@ def _device_report(costs: PlanCosts, schedule: Schedule, groups, intervals, d: i
         peak_act = max(peak_act, live + c.recompute_peak)
         timeline.append((iv.start, static.total + live + c.recompute_peak))
         if iv.unit.kind is not Pass.I:
-            live -= c.activations
+            work = costs.backward_work.get((d, iv.unit.stage, iv.unit.mb), 1.0) \
+                if iv.unit.kind is Pass.B else 1.0
+            if work < 1.0:  # its weight half waits for a later unit (``DEFER_W``): so does
+                waiting += c.activations  # what it reads (counted whole: an upper bound)
+            else:
+                live -= c.activations
+                if work > 1.0:  # the unit that runs the waiting weight halves frees theirs
+                    live, waiting = live - waiting, 0.0
         timeline.append((iv.end, static.total + live))
     for (dev, _s), c in costs.units.items():
         if dev == d:
