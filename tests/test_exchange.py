@@ -48,9 +48,11 @@ def worker(numels: list[int], dtype_name: str) -> list[str]:
                 for mode in ("sync", "async"):
                     x = _inputs(rank, numel, dtype)
                     mine = x.clone()
-                    # an async one over a group not of a power of two ranks is gloo's
-                    eligible = exchange.eligible(x, group) and (
-                        mode == "sync" or len(members) & (len(members) - 1) == 0)
+                    # over a group not of a power of two ranks, both are gloo's
+                    eligible = exchange.eligible(x, group)
+                    assert eligible == (len(members) & (len(members) - 1) == 0 and
+                                        numel * x.element_size() * exchange_rounds(len(members))
+                                        <= exchange.MAX_BYTES)
                     dist.all_reduce = refuse if eligible else real_all_reduce
                     try:
                         work = exchange.all_reduce(x, group=group, async_op=mode == "async")
@@ -118,3 +120,34 @@ def test_an_async_all_reduce_waits_for_no_peer_when_it_starts(nproc):
     # the last stage can meet it (``runtime/early_loss.py``)
     got = launch(early_worker, nproc=nproc, args=(1000,), timeout_s=120)
     assert got == [float(sum(range(1, nproc + 1)))] * nproc
+
+
+def mixed_worker(numel: int) -> list[float]:
+    """Each member issues the same all-reduces, some async and some in place, in an order that
+    differs between members (an idle rank's early loss beside a busy rank's in-place one): the
+    algorithm must not depend on the mode, or the members never meet."""
+    import torch.distributed as dist
+
+    from ssdsl.runtime.dist import distributed
+
+    with distributed(timeout_s=60) as ctx:
+        rank = ctx.rank
+        out = []
+        for k in range(3):
+            x = torch.full((numel,), float(rank + 1 + 10 * k))
+            async_op = (rank + k) % 2 == 0
+            work = exchange.all_reduce(x, async_op=async_op)
+            if work is not None:
+                work.wait()
+            out.append(float(x[0]))
+        dist.barrier()
+        return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [3, 4])
+def test_members_may_mix_async_and_in_place_all_reduces(nproc):
+    # oracle: the sums written by hand
+    got = launch(mixed_worker, nproc=nproc, args=(1000,), timeout_s=120)
+    want = [float(sum(r + 1 + 10 * k for r in range(nproc))) for k in range(3)]
+    assert got == [want] * nproc

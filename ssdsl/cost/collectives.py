@@ -15,12 +15,12 @@ An all-reduce takes the faster of ring and tree, as NCCL chooses by size; on a l
 runs small sums by pairwise exchanges (``DeviceProfile.exchange_bytes``: the CPU profile, as
 ``ssdsl.runtime.exchange`` does on gloo) it takes what those cost where they run::
 
-    exchanges       r (alpha_x + n / beta)  r = log2(p) rounds, 2 more where p is no power of 2
+    exchanges       r (alpha_x + n / beta)  r = log2(p) rounds (p a power of 2)
 
 (each round a member sends its whole running sum and receives its partner's, both at once;
 ``alpha_x`` is the fixed cost of one such round, ``DeviceProfile.exchange_latency``: measured,
-it is not a message's). They run where ``r n`` stays within ``exchange_bytes``; gloo's ring
-beyond. The link is the slowest
+it is not a message's). They run where ``p`` is a power of two and ``r n`` stays within
+``exchange_bytes``; gloo's ring elsewhere. The link is the slowest
 one the ring crosses: NVLink (``intra``) when every member is on one node, else the network
 (``inter``), whose bandwidth a node shares among the rings that leave it at the same time
 (``sharing``).
@@ -81,7 +81,8 @@ def all_reduce_time(p: int, n: float, link: Link, *, algorithm: str = "auto") ->
     if p <= 1 or n <= 0:
         return 0.0
     rounds = exchange_rounds(p)
-    if algorithm == "auto" and 0 < rounds * n <= link.exchange_bytes:
+    # by exchanges over a power of two members only, as ``ssdsl.runtime.exchange.eligible``
+    if algorithm == "auto" and p & (p - 1) == 0 and 0 < rounds * n <= link.exchange_bytes:
         alpha = link.alpha if link.exchange_alpha is None else link.exchange_alpha
         return rounds * (alpha + n / link.beta)
     ring = 2 * (p - 1) * (link.alpha + n / (p * link.beta))

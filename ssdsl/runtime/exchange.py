@@ -18,9 +18,10 @@ but the loss).
 
 Recursive doubling (the short-message algorithm of MPI libraries): in round ``k`` each rank swaps
 its running sum with the rank whose group position differs in bit ``k`` and adds what it got;
-after ``log2(n)`` rounds every rank holds the sum. A group whose size is not a power of two first
-folds its extra members into the first ones (each sends its tensor, its partner adds it) and
-hands them the result at the end. Every rank sends its whole tensor each round, so the bytes a
+after ``log2(n)`` rounds every rank holds the sum. Only groups of a power of two ranks take
+this path (``eligible``: the async and the in-place all-reduce must run the same algorithm);
+``_reduce`` can fold the extra members of another size into the first ones (each sends its
+tensor, its partner adds it, and gets the result back at the end), but nothing calls it so. Every rank sends its whole tensor each round, so the bytes a
 rank moves grow as ``log2(n)`` where the ring's stay under twice the tensor: past ``MAX_BYTES``
 (the tensor's bytes times the rounds) gloo's own all-reduce runs.
 
@@ -69,12 +70,19 @@ def _members(group) -> tuple[tuple[int, ...], bool]:
 
 
 def eligible(buf: torch.Tensor, group=None) -> bool:
-    """Whether ``all_reduce(buf, group)`` runs by exchanges."""
+    """Whether ``all_reduce(buf, group)`` runs by exchanges: over a gloo group of a power of
+    two ranks, within ``MAX_BYTES``. Over a group of another size, the fold's first message
+    blocks, which an async all-reduce must not do (the loss's starts before its peers can meet
+    it); if the async one went to gloo and the in-place one by exchanges, members that issue
+    the same all-reduce the two ways (an idle rank's loss, a bucket one member reduces in parts
+    during its backward) would run different algorithms and never meet. Both go to gloo there:
+    whether a rank waits now or later never chooses its algorithm."""
     if not ENABLED or buf.device.type != "cpu" or not buf.is_contiguous() or buf.numel() == 0:
         return False
     ranks, gloo = _members(group)
     n = len(ranks)
-    return gloo and n > 1 and buf.numel() * buf.element_size() * exchange_rounds(n) <= MAX_BYTES
+    return gloo and n > 1 and n & (n - 1) == 0 \
+        and buf.numel() * buf.element_size() * exchange_rounds(n) <= MAX_BYTES
 
 
 class _Pending:
@@ -138,16 +146,13 @@ def all_reduce(buf: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``buf`` in place over ``group`` (torch's ``dist.all_reduce``, op SUM), by exchanges
     where ``eligible``; with ``async_op`` returns something to ``wait()`` on: over a group of a
     power of two ranks the first round is posted at once and the rest run when it is waited on
-    (two ranks: nothing but the addition): posting never waits for a peer. Over a group of
-    another size an async one is gloo's."""
+    (two ranks: nothing but the addition): posting never waits for a peer. The async and the
+    in-place one exchange the same messages in the same order, so members of one all-reduce may
+    mix them (``eligible``)."""
     if not eligible(buf, group):
         return dist.all_reduce(buf, group=group, async_op=async_op)
     ranks, _ = _members(group)
     if async_op:
-        if len(ranks) & (len(ranks) - 1):
-            # the fold's first message blocks: an async all-reduce must not (the loss's starts
-            # before the peers can meet it), so such a group's goes to gloo
-            return dist.all_reduce(buf, group=group, async_op=True)
         return _Pending(buf, ranks, ranks.index(dist.get_rank()), group)
     _reduce(buf, ranks, ranks.index(dist.get_rank()), group)
     return None
