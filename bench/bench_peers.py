@@ -278,6 +278,7 @@ LEVERS = {
     "rest_parts": ("ssdsl.lower.overlap", "REST_PART_BYTES", None),
     # sum all-reduces on gloo by pairwise exchanges below a size (off: gloo's all_reduce always)
     "exchange": ("ssdsl.runtime.exchange", "ENABLED", False),
+    "shm": ("ssdsl.runtime.shm", "ENABLED", False),
 }
 
 

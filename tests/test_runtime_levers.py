@@ -1,8 +1,8 @@
 """The executor's speed levers change no result: receives posted a unit ahead
 (``ssdsl.runtime.early``), buckets reduced in parts during the last backward
 (``ssdsl.runtime.overlap``), the loss summed while the step runs (``ssdsl.runtime.early_loss``),
-sends issued by a thread of their own (``ssdsl.runtime.sender``) and prebuilt handlers
-(``ssdsl.runtime.prebuilt``).
+sends issued by a thread of their own (``ssdsl.runtime.sender``), messages through shared memory
+(``ssdsl.runtime.shm``) and prebuilt handlers (``ssdsl.runtime.prebuilt``).
 
 The oracle is the plain model trained in this process (float64, SGD) on the same batches; the
 ranks run ``ssdsl.parallelize`` with the levers set as given, so that a bucket of the tiny GPT
@@ -68,9 +68,14 @@ def assert_matches(got: tuple, want: tuple[list[float], dict]) -> None:
     ("1f1b", 2, {"microbatches": "4", "no_copies": True}, "loss_early"),
     ("gpipe", 4, {"microbatches": "4"}, "loss_early"),
     ("interleaved_1f1b", 2, {"microbatches": "4", "no_copies": True}, "loss_early"),
-    # 4 ranks fill 2 cores: the sender thread is forced (``ALWAYS``) so that it is tested
-    ("1f1b", 4, {"microbatches": "4", "always_send_thread": True}, "sends_threaded"),
-    ("zb_h1", 2, {"microbatches": "4"}, "sends_threaded"),
+    # 4 ranks fill 2 cores: the sender thread is forced (``ALWAYS``) so that it is tested; it
+    # carries the sends that do not go through shared memory (turned off for these)
+    ("1f1b", 4, {"microbatches": "4", "always_send_thread": True, "no_shm": True},
+     "sends_threaded"),
+    ("zb_h1", 2, {"microbatches": "4", "no_shm": True}, "sends_threaded"),
+    # the pipelines' messages through shared memory (``ssdsl.runtime.shm``)
+    ("1f1b", 4, {"microbatches": "4"}, "sends_shm"),
+    ("interleaved_1f1b", 2, {"microbatches": "4"}, "sends_shm"),
     ("dp_tp_1f1b", 8, {"dp": "2", "tp": "2", "microbatches": "4"}, "posted_early"),
     ("dp_zero", 2, {}, None),  # sharded buckets reduce after the backward, as before
 ])
@@ -83,6 +88,8 @@ def test_levers_on_match_the_single_device_model(plan, nproc, sets, acts):
         levers["ssdsl.runtime.sender:ALWAYS"] = True
     if sets.pop("no_copies", False):
         levers["ssdsl.materialize.copies:ENABLED"] = False
+    if sets.pop("no_shm", False):
+        levers["ssdsl.runtime.shm:ENABLED"] = False
     per_rank = launch(lever_worker, nproc=nproc, args=(plan, sets, levers), timeout_s=600)
     want = reference()
     for got in per_rank:

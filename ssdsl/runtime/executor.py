@@ -867,7 +867,8 @@ class DistRunner(Runner):
         self.parts: Parts | None = None
         self._backwards = 0
         self.counts = {"posted_early": 0, "parts_overlapped": 0, "loss_early": 0,
-                       "sends_threaded": 0, "flat_reduced": 0}  # over the run, for tests
+                       "sends_threaded": 0, "flat_reduced": 0,
+                       "sends_shm": 0}  # over the run, for tests
         self._bucket_groups: dict[int, tuple[int, ...]] = {}
         # (kind, bucket or part) -> (its leaves, their flat buffer or None): ``_flat_of``
         self._flats: dict[tuple, tuple[list, FlatGrads | None]] = {}
@@ -1013,8 +1014,16 @@ class DistRunner(Runner):
         i, self._units = self._units, self._units + 1
         for r in self.early[i] if i < len(self.early) else ():
             buf = torch.empty(r.shape, dtype=_dtype(r.dtype, self.dtype), device=self.device)
-            self.posted[(r.peer, r.tag)] = (dist.irecv(buf, r.peer, tag=r.tag), buf)
+            self.posted[(r.peer, r.tag)] = (self._irecv(buf, r.peer, r.tag), buf)
             self.counts["posted_early"] += 1
+
+    def _irecv(self, buf: torch.Tensor, peer: int, tag: int) -> Any:
+        """A receive to wait for later: through shared memory from a rank of this host
+        (``ssdsl.runtime.shm``), else the backend's ``irecv``."""
+        shm = self.groups.same_host if self.groups is not None else None
+        if shm is not None and shm.handles(peer, buf):
+            return shm.irecv(buf, peer, tag)
+        return dist.irecv(buf, peer, tag=tag)
 
     def _posted(self, w: Wait) -> torch.Tensor | None:
         """The buffer of ``w``'s receive if it was posted early, after waiting for it."""
@@ -1030,13 +1039,13 @@ class DistRunner(Runner):
         else:
             w.result = self._posted(w)
             if w.result is None:
-                dist.recv(w.payload, w.what.peer, tag=w.what.tag)
+                self._irecv(w.payload, w.what.peer, w.what.tag).wait()
                 w.result = w.payload
         return iter(())
 
     def meet_all(self, ws: list[Wait]) -> Iterator[Wait]:
         reqs = [None if (w.what.peer, w.what.tag) in self.posted
-                else dist.irecv(w.payload, w.what.peer, tag=w.what.tag) for w in ws]
+                else self._irecv(w.payload, w.what.peer, w.what.tag) for w in ws]
         for w, req in zip(ws, reqs):
             if req is None:
                 w.result = self._posted(w)
@@ -1046,6 +1055,11 @@ class DistRunner(Runner):
         return iter(())
 
     def post(self, msg, piece: torch.Tensor, ins: Any) -> None:
+        shm = self.groups.same_host if self.groups is not None else None
+        if shm is not None and shm.handles(msg.peer, piece):
+            shm.send(piece, msg.peer, msg.tag)  # complete on return: the bytes are copied
+            self.counts["sends_shm"] += 1
+            return
         if self._threaded is None:
             self._threaded = sending.wanted()
         if self._threaded:

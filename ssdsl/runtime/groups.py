@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ssdsl.materialize.reducer import GradReducer
 from ssdsl.materialize.steps import Adapter, CollectiveStep
+from ssdsl.runtime.shm import SameHost
 
 
 def groups_of(adapters: Iterable[Adapter], reducers: Iterable[GradReducer] = ()) -> list[tuple[int, ...]]:
@@ -35,14 +36,19 @@ class ProcessGroups:
 
     def __init__(self) -> None:
         self._groups: dict[tuple[int, ...], object] = {}
+        # point-to-point messages with the ranks of this host through shared memory
+        # (``ssdsl.runtime.shm``), or None: all through the default group's backend
+        self.same_host: SameHost | None = None
 
     @classmethod
     def create(cls, device_sets: Iterable[Iterable[int]]) -> ProcessGroups:
-        """Create every group in ``device_sets``; call on every rank with the same argument."""
+        """Create every group in ``device_sets``, and the shared-memory channels to this host's
+        other ranks (``SameHost.create``); call on every rank with the same argument."""
         pgs = cls()
         world = tuple(range(dist.get_world_size()))
         for members in sorted({tuple(sorted(s)) for s in device_sets}, key=lambda g: (len(g), g)):
             pgs._groups[members] = None if members == world else dist.new_group(list(members))
+        pgs.same_host = SameHost.create()
         return pgs
 
     def get(self, members: Iterable[int]) -> object:

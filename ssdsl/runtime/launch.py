@@ -766,7 +766,7 @@ def _start_heartbeat(directory: Path, rank: int, *, period_s: float = _BEAT_S,
 _OWN_FILES = ("/torch/", "/ssdsl/runtime/launch.py", "/threading.py", "/contextlib.py")
 # ssdsl's own communication code: a main thread in it waits in a collective (the all-reduce by
 # exchanges waits inside torch's ``Work.wait``, a native call that leaves no frame of torch's)
-_COMM_FILES = ("/ssdsl/runtime/comm.py", "/ssdsl/runtime/exchange.py")
+_COMM_FILES = ("/ssdsl/runtime/comm.py", "/ssdsl/runtime/exchange.py", "/ssdsl/runtime/shm.py")
 
 
 def _inspect_stack(frame: Any) -> tuple[str | None, str]:

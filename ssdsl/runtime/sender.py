@@ -10,6 +10,10 @@ on at once (torch's calls release the GIL while they compute, so the thread runs
 What meets what is unchanged: a message is matched by its (peer, tag), unique in a program, so
 when its send is issued does not matter; every send is issued and complete by ``WaitSends``,
 where the program waits for them.
+
+A message to a CPU rank of the same host goes through shared memory instead
+(``ssdsl.runtime.shm``: a copy into a slot and a record in a FIFO, complete on return), never
+through this thread: the thread carries the sends that gloo moves.
 """
 
 from __future__ import annotations
