@@ -12,7 +12,13 @@
 - ``order on devices G: ...`` sequences concatenate, in plan order, into the program of G's rank
   (of each of its ranks when G is a shared stage's group); every unit keeps the span of its
   statement, so the checker's errors point at it. On a rank that runs shared and own stages
-  the two sequences are interlaced by time (``_interlace_by_time``).
+  the two sequences are interlaced by time (``_interlace_by_time``). Where that finds nothing
+  (no rank runs own units, or the shared sequences concatenated contradict the data) and a rank
+  runs the orders of several device groups (stage 0 on devices 0..2 and stage 1 on 1..3, one
+  statement each), the groups' orders are merged (``_merge_groups``): one topological order of
+  all units that keeps each group's order and the data, the earlier statement first where both
+  are free; each rank runs its units in that order. No such order is ``OrderConflict`` at the
+  statement, naming the two units that it and the other orders need the other way round.
 - A rank with no sequence gets the default order: a topological order of data edges plus the
   ``a before b`` edges, GPipe-like where they leave a choice (forwards first, by micro-batch).
   On ranks with a sequence, ``a before b`` is checked against it (``OrderConflict``).
@@ -56,7 +62,8 @@ class UnsupportedOrderUnit(LowerError):
 
 
 class OrderConflict(LowerError):
-    """An ``a before b`` statement contradicts an order sequence or the data dependencies."""
+    """An ``a before b`` statement contradicts an order sequence or the data dependencies, or
+    the orders of device groups that meet on a device cannot be merged there."""
 
 
 class SeveralPipelines(LowerError):
@@ -189,33 +196,41 @@ def lower_schedule(directives: Sequence[object], *,
                        forward_only, hosts=hosts)
     mbs = [d.count for d in directives if isinstance(d, Microbatch)]
     m = mbs[-1] if mbs else 1
-    seqs, befores = _orders(directives, st, rank, groups)
+    seqs, befores, origins = _orders(directives, st, rank, groups)
     split = any(u.kind in (Pass.I, Pass.W) for _, us in seqs.items() for u, _ in us) or \
         any(u.kind in (Pass.I, Pass.W) for b in befores for u in b[:2])
-    programs = _programs(graph, m, split, seqs, befores)
+    programs = _programs(graph, m, split, seqs, befores, origins,
+                         {r: c for c, r in rank.items()})
     schedule = Schedule(graph, m, programs, split)
     ordered = sorted(rank, key=rank.__getitem__)
     return Lowered(schedule, tuple(ordered), st.name)
 
 
 _Before = tuple[Unit, Unit, Span]
+# Where a stretch of a rank's sequence comes from: the ranks its statement orders (the
+# statement's group: statements on one group concatenate into one chain), the statement's
+# ordinal among the plan's directives and the number of units it adds.
+_Origin = tuple[tuple[int, ...], int, int]
 
 
 def _orders(directives: Sequence[object], st: Stages, rank: dict[tuple[int, ...], int],
             groups: list[tuple[int, ...]]
-            ) -> tuple[dict[int, list[tuple[Unit, Span]]], list[_Before]]:
+            ) -> tuple[dict[int, list[tuple[Unit, Span]]], list[_Before],
+                       dict[int, list[_Origin]]]:
     seqs: dict[int, list[tuple[Unit, Span]]] = defaultdict(list)
+    origins: dict[int, list[_Origin]] = defaultdict(list)
     befores: list[_Before] = []
     errors = ErrorCollector()
     # the one device of a group an `order on device d` named, per rank: all the group's devices
     # run that one program, so another of its devices cannot get an order of its own
     alone: dict[int, tuple[int, Span]] = {}
     group_of = {r: c for c, r in rank.items()}
-    for d in directives:
+    for ordinal, d in enumerate(directives):
         with errors.catch():
             if isinstance(d, OrderSequence):
                 units = [(_unit(wu, st, d.span), d.span) for wu in d.units]
-                for r in _sequence_ranks(d, rank, groups):
+                ranks = _sequence_ranks(d, rank, groups)
+                for r in ranks:
                     if len(d.devices) == 1 and len(group_of[r]) > 1:
                         dev, first = alone.setdefault(r, (d.devices[0], d.span))
                         if dev != d.devices[0]:
@@ -226,10 +241,11 @@ def _orders(directives: Sequence[object], st: Stages, rank: dict[tuple[int, ...]
                                 d.span, hint=f"order them together: 'order on devices "
                                 f"{list(group_of[r])}: ...', once")
                     seqs[r] += units
+                    origins[r].append((ranks, ordinal, len(units)))
             elif isinstance(d, OrderBefore):
                 befores.append((_unit(d.before, st, d.span), _unit(d.after, st, d.span), d.span))
     errors.raise_if_any()
-    return seqs, befores
+    return seqs, befores, origins
 
 
 def _sequence_ranks(d: OrderSequence, rank: dict[tuple[int, ...], int],
@@ -253,14 +269,19 @@ def _sequence_ranks(d: OrderSequence, rank: dict[tuple[int, ...], int],
 
 
 def _programs(g: StageGraph, m: int, split: bool, seqs: dict[int, list[tuple[Unit, Span]]],
-              befores: list[_Before]) -> list[Program]:
+              befores: list[_Before], origins: dict[int, list[_Origin]],
+              devices: dict[int, tuple[int, ...]]) -> list[Program]:
+    timed = _interlace_by_time(g, split, seqs)
+    merged = _merge_groups(g, split, seqs, befores, origins, devices) if timed is None else None
+    if merged is not None:
+        seqs = merged
     needs_auto = any(r not in seqs for r in range(g.num_devices))
     auto = _default_order(g, m, split, seqs, befores) if needs_auto else {}
     progs = []
-    timed = _interlace_by_time(g, split, seqs)
     for r in range(g.num_devices):
         if r in seqs:
-            seq = timed[r] if timed is not None else _interlace(g, split, seqs[r])
+            seq = timed[r] if timed is not None else \
+                merged[r] if merged is not None else _interlace(g, split, seqs[r])
             units, spans = zip(*seq) if seq else ((), ())
             progs.append(Program(r, units, spans))
         else:
@@ -364,6 +385,172 @@ def _interlace(g: StageGraph, split: bool, seq: list[tuple[Unit, Span]]
         done = max(done, upto + 1)
         out.append((u, sp))
     return out + shared[done:]
+
+
+def _merge_groups(g: StageGraph, split: bool, seqs: dict[int, list[tuple[Unit, Span]]],
+                  befores: list[_Before], origins: dict[int, list[_Origin]],
+                  devices: dict[int, tuple[int, ...]]
+                  ) -> dict[int, list[tuple[Unit, Span]]] | None:
+    """Every rank's sequence when a rank runs the orders of several device groups: stage 0 on
+    devices 0..2 and stage 1 on devices 1..3 (each tensor-parallel), ordered by one statement
+    per group, meet on device 1, which must run both statements' units in some interleaving.
+
+    The interleaving is one topological order of all the ranks' units together: each group's
+    statements (concatenated in plan order) keep their order, every data dependency and every
+    ``a before b`` holds, and where these leave a choice the unit of the earlier statement (then
+    the earlier position in it) comes first. Each rank runs this one order's units of its own,
+    so the devices of a group all run the group's units in one order (its collectives cannot
+    cross) and the programs cannot wait on each other in a cycle. ``None`` where no rank runs
+    the orders of two groups (each rank's statements concatenate, as before), where a rank's
+    sequence repeats a unit, or where the orders contradict each other between devices rather
+    than on one device (the checker reports those at their statements). Raises
+    ``OrderConflict`` where no interleaving exists on a device: the two statements (with the
+    data dependencies) need each other's units in opposite orders.
+    """
+    if not any(len({o[0] for o in origins[r]}) > 1 for r in seqs):
+        return None
+    if any(len({u for u, _ in seq}) < len(seq) for seq in seqs.values()):
+        return None
+    prio: dict[Unit, tuple[int, int]] = {}
+    # why each edge is there: (the group whose order has it, the spans of its two units),
+    # "before" for a before edge, None for a data dependency (a group's order, where it also
+    # has the edge, names it: its stretch then reads as the group's order in the error)
+    why: dict[tuple[Unit, Unit], object] = {}
+    for r, seq in seqs.items():
+        chain: dict[tuple[int, ...], tuple[Unit, Span]] = {}
+        each = [(key, ordinal, k) for key, ordinal, n in origins[r] for k in range(n)]
+        for (u, sp), (key, ordinal, k) in zip(seq, each):
+            prio[u] = min(prio.get(u, (ordinal, k)), (ordinal, k))
+            if key in chain:
+                why.setdefault((chain[key][0], u), (key, chain[key][1], sp))
+            chain[key] = (u, sp)
+    for a, b, span in befores:
+        if a in prio and b in prio:
+            why.setdefault((a, b), "before")
+    for u in prio:
+        for d in data_deps(u, g, split_backward=split):
+            if d in prio:
+                why.setdefault((d, u), None)
+    succ: dict[Unit, list[Unit]] = defaultdict(list)
+    indeg = {u: 0 for u in prio}
+    for a, b in why:
+        succ[a].append(b)
+        indeg[b] += 1
+    heap = [(prio[u], u) for u, n in indeg.items() if n == 0]
+    heapq.heapify(heap)
+    at: dict[Unit, int] = {}
+    while heap:
+        _, u = heapq.heappop(heap)
+        at[u] = len(at)
+        for v in succ[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(heap, (prio[v], v))
+    if len(at) < len(prio):
+        _raise_unmergeable({u for u in prio if u not in at}, why, devices)
+        return None
+    return {r: sorted(seq, key=lambda e: at[e[0]]) for r, seq in seqs.items()}
+
+
+def _raise_unmergeable(left: set[Unit], why: dict[tuple[Unit, Unit], object],
+                       devices: dict[int, tuple[int, ...]]) -> None:
+    """Raise ``OrderConflict`` for a cycle among ``left`` through the orders of two or more
+    device groups that meet on a device (no interleaving of them runs there); return when the
+    cycle found is of another kind (one group's order against the data, devices that order a
+    shared stage differently, a ``before`` statement), which the checker reports as before."""
+    preds: dict[Unit, list[Unit]] = defaultdict(list)
+    succ: dict[Unit, list[Unit]] = defaultdict(list)
+    for a, b in why:
+        if a in left and b in left:
+            preds[b].append(a)
+            succ[a].append(b)
+    u, path = min(left), []
+    while u not in path:
+        path.append(u)
+        u = min(preds[u])
+    cycle = list(reversed(path[path.index(u):]))
+    # the shortest cycle through a unit of the one found: the fewest units to read
+    for start in sorted(cycle):
+        shorter = _shortest_cycle(start, succ)
+        if shorter and len(shorter) < len(cycle):
+            cycle = shorter
+    cycle.append(cycle[0])
+    edges = list(zip(cycle, cycle[1:]))
+    labels = [why[e] for e in edges]
+    if "before" in labels:
+        return
+    keys = {lab[0] for lab in labels if isinstance(lab, tuple)}
+    common = set.intersection(*(set(k) for k in keys)) if len(keys) > 1 else set()
+    if not common:
+        return
+    # Rotate the cycle to start where a group's stretch of order edges begins, then cut it
+    # into stretches (group, or None for data edges; units; spans of its units in order).
+    k0 = next(i for i, lab in enumerate(labels)
+              if isinstance(lab, tuple) and not (
+                  isinstance(labels[i - 1], tuple) and labels[i - 1][0] == lab[0]))
+    edges, labels = edges[k0:] + edges[:k0], labels[k0:] + labels[:k0]
+    stretches: list[tuple[tuple[int, ...] | None, list[Unit], list[Span]]] = []
+    for (a, b), lab in zip(edges, labels):
+        key = lab[0] if isinstance(lab, tuple) else None
+        if not stretches or stretches[-1][0] != key:
+            stretches.append((key, [a], [lab[1]] if isinstance(lab, tuple) else []))
+        stretches[-1][1].append(b)
+        if isinstance(lab, tuple):
+            stretches[-1][2].append(lab[2])
+    ordered = [s for s in stretches if s[0] is not None]
+    blamed = max(ordered, key=lambda s: (max(s[2]), -stretches.index(s)))
+    span = max(blamed[2])
+    x, y = blamed[1][0], blamed[1][-1]
+    i = stretches.index(blamed)
+    rest = [v for s in stretches[i + 1:] + stretches[:i] for v in s[1][1:]]
+    through = " -> ".join(str(v) for v in [y] + rest)
+
+    def runs(s: tuple[tuple[int, ...] | None, list[Unit], list[Span]]) -> str:
+        first, last = s[2][0], s[2][-1]
+        if first.line == last.line:
+            return f"line {first.line} runs {s[1][0]} before {s[1][-1]}"
+        return f"line {first.line} runs {s[1][0]} before line {last.line} runs {s[1][-1]}"
+
+    def named(key: tuple[int, ...]) -> str:
+        devs = sorted(d for r in key for d in devices[r])
+        return f"device {devs[0]}" if len(devs) == 1 else f"devices {devs}"
+
+    device = devices[min(common)][0]
+    groups = " and ".join(named(k) for k in sorted(keys))
+    others = [s for s in ordered if s is not blamed]
+    if blamed[2][0].line == span.line:
+        mine, here = f"this statement runs {x} before {y}", "here"
+    else:
+        mine = (f"the order of {named(blamed[0])} runs {x} (line {blamed[2][0].line}) before "
+                f"{y} (this statement)")
+        here = f"in the order of {named(blamed[0])} (lines {blamed[2][0].line}-{span.line})"
+    raise OrderConflict(
+        f"device {device} runs the orders of {groups}, and no interleaving of them on it keeps "
+        f"each order: {mine}, but {y} must run before {x} ({through}: data dependencies, and "
+        f"{', '.join(runs(s) for s in others)})", span,
+        hint=f"reorder the sequences so that the orders agree: run {y} before {x} {here}, "
+             f"or " + " or ".join(f"{s[1][-1]} before {s[1][0]} at line {s[2][-1].line}"
+                                  for s in others))
+
+
+def _shortest_cycle(start: Unit, succ: dict[Unit, list[Unit]]) -> list[Unit]:
+    """The units of a shortest cycle through ``start`` (breadth first; [] when none)."""
+    parent: dict[Unit, Unit] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for a in frontier:
+            for b in sorted(succ[a]):
+                if b == start:
+                    out = [a]
+                    while out[-1] != start:
+                        out.append(parent[out[-1]])
+                    return out[::-1]
+                if b not in parent:
+                    parent[b] = a
+                    nxt.append(b)
+        frontier = nxt
+    return []
 
 
 def _check_befores(progs: list[Program], befores: list[_Before]) -> None:
