@@ -85,13 +85,81 @@ def test_stage_assigned_part_by_part_matches(capsys):
 # --- hand-written schedules and placements that must train like the plain model ---------------
 
 VALID = {"2f2b": 2, "eager1f1b": 2, "interleaved_custom": 2, "overlap_groups_perdev": 3,
-         "mixed_tp": 4}
+         "mixed_tp": 4, "overlap_groups_tp": 3, "overlap_groups_3stages": 4,
+         "overlap_groups_own_middle": 3}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(VALID))
 def test_hand_written_plan_matches(capsys, name):
     assert_gloo_run_matches(capsys, GPT, str(HAND / f"{name}.ssp"), VALID[name])
+
+
+# --- orders over device groups that overlap: merged on the devices they share ----------------
+
+def _programs(path: Path, world: int) -> list[str]:
+    lowered = _lowered(path.read_text(), world)
+    return [" ".join(map(str, p.units)) for p in lowered.schedule.programs]
+
+
+def test_orders_of_overlapping_groups_are_merged_on_the_shared_device():
+    """Stage 0 tensor-parallel on devices 0-1, stage 1 on devices 1-2, one order statement per
+    group: device 1 got the two sequences concatenated (0F0 0F1 0B0 0B1 1F0 ...), its stage-0
+    backwards before the stage-1 backwards they need, and the valid plan was refused with a
+    hint ('move 0B0 after 1B0') no edit of either statement could follow. Device 1 now runs one
+    interleaving that keeps each statement's order and the data dependencies, the statements'
+    order where both are free: written out by hand from the two sequences."""
+    assert _programs(HAND / "overlap_groups_tp.ssp", 3) == [
+        "0F0 0F1 0B0 0B1",
+        "0F0 0F1 1F0 1F1 1B0 0B0 1B1 0B1",
+        "1F0 1F1 1B0 1B1"]
+
+
+def test_merged_orders_keep_each_group_order_on_all_its_devices():
+    """Three stages over overlapping pairs (world 4), 1F1B per group, written last stage first:
+    each device runs each group's units in that group's statement order, and the devices of a
+    group agree on it (so its collectives cannot cross)."""
+    progs = _programs(HAND / "overlap_groups_3stages.ssp", 4)
+    one_f_one_b = {0: "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3",
+                   1: "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3",
+                   2: "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3"}
+    for dev, prog in enumerate(progs):
+        for s in (dev - 1, dev):
+            if s in one_f_one_b:
+                assert " ".join(u for u in prog.split() if u[0] == str(s)) == one_f_one_b[s]
+    # Device 1, by hand: one topological order of all units, a unit of an earlier statement
+    # (stage 2's, then stage 1's, then stage 0's) first among those whose predecessors have run:
+    # 0F0 1F0 2F0 2B0 0F1 1F1 2F1 2B1 1B0 0F2 1F2 2F2 2B2 1B1 0B0 0F3 1F3 2F3 2B3 1B2 1B3 0B1
+    # 0B2 0B3, then its stage 0 and 1 units
+    assert progs[1] == "0F0 1F0 0F1 1F1 1B0 0F2 1F2 1B1 0B0 0F3 1F3 1B2 1B3 0B1 0B2 0B3"
+    assert progs[2] == "1F0 2F0 2B0 1F1 2F1 2B1 1B0 1F2 2F2 2B2 1B1 1F3 2F3 2B3 1B2 1B3"
+
+
+def test_a_device_running_its_own_stage_between_two_shared_ones():
+    """Device 1 runs stage 1 alone, shares stage 0 with device 0 and stage 2 with device 2: the
+    two shared sequences were concatenated for the time-based interlacing (0F0 0F1 0B0 0B1 2F0
+    ..., a cycle), which then fell back to the same refusal."""
+    assert _programs(HAND / "overlap_groups_own_middle.ssp", 3)[1] == \
+        "0F0 0F1 1F0 1F1 2F0 2F1 2B0 1B0 0B0 2B1 1B1 0B1"
+
+
+UNMERGEABLE = ROOT / "tests" / "plans" / "phase_bad" / "overlap_groups_unmergeable.ssp"
+
+
+def test_orders_of_overlapping_groups_that_cannot_merge_are_refused_at_the_line(capsys):
+    """1F1 needs 0F1, which the first statement runs after 0B0, which needs 1B0, which the
+    second statement runs after 1F1: no order of device 1 keeps both. Refused at the second
+    statement, naming the two units of it and a reordering of either statement."""
+    from ssdsl.cli import main
+    code = main(["check", str(GPT), str(UNMERGEABLE), "--world", "3"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert err.split(": device 1 runs")[0].endswith("overlap_groups_unmergeable.ssp:13:1"), err
+    assert "device 1 runs the orders of devices [0, 1] and devices [1, 2]" in err
+    assert "this statement runs 1F1 before 1B0, but 1B0 must run before 1F1" in err
+    assert "hint: reorder the sequences so that the orders agree: run 1B0 before 1F1 here, " \
+           "or 0F1 before 0B0 at line 12" in err
 
 
 # --- known defect: copies of a weight with unequal regions are never summed ---------------------
