@@ -108,3 +108,48 @@ def fallback_worker() -> bool:
 @pytest.mark.slow
 def test_one_rank_without_shared_memory_sends_everyone_through_gloo():
     assert launch(fallback_worker, nproc=2, timeout_s=120) == [True, True]
+
+
+def exchange_worker() -> list[str]:
+    """All-reduces by exchanges (``ssdsl.runtime.exchange``) through shared memory, on the world
+    and on a group of two that shares its first round's pair of ranks with the world's. The two
+    ranks of a pair issue the two all-reduces in opposite orders (gloo keeps groups apart, so
+    that is allowed): one tag for both groups would hand each rank the other group's message."""
+    import torch.distributed as dist
+
+    from ssdsl.runtime import exchange
+    from ssdsl.runtime.dist import distributed
+    from ssdsl.runtime.groups import ProcessGroups
+
+    with distributed(timeout_s=60) as ctx:
+        n, rank = ctx.world_size, ctx.rank
+        pgs = ProcessGroups.create([(0, 1), (2, 3)])
+        assert pgs.same_host is not None
+        real_isend = dist.isend
+        dist.isend = None  # every message must go through shared memory: gloo's would fail
+        problems = []
+        try:
+            for k in range(3):
+                world = torch.full((1000,), float(rank + 1 + 10 * k))
+                pair = torch.full((7,), float(100 * (rank + 1) + k))
+                mine = (0, 1) if rank < 2 else (2, 3)
+                if rank % 2 == 0:  # the world's first, then the pair's ...
+                    work = exchange.all_reduce(world, async_op=True)
+                    exchange.all_reduce(pair, group=pgs.get(mine))
+                else:  # ... and the other way round on the pair's other rank
+                    exchange.all_reduce(pair, group=pgs.get(mine))
+                    work = exchange.all_reduce(world, async_op=True)
+                work.wait()
+                # oracle: the sums written by hand
+                if world[0].item() != sum(r + 1 + 10 * k for r in range(n)):
+                    problems.append(f"world sum {world[0].item()} at {k}")
+                if pair[0].item() != sum(100 * (r + 1) + k for r in mine):
+                    problems.append(f"pair sum {pair[0].item()} at {k}")
+        finally:
+            dist.isend = real_isend
+        return problems
+
+
+@pytest.mark.slow
+def test_exchanges_of_two_groups_through_shared_memory_keep_apart():
+    assert launch(exchange_worker, nproc=4, timeout_s=300) == [[]] * 4

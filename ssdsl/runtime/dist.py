@@ -138,7 +138,10 @@ def init_from_env(*, timeout_s: float | None = None, backend: str | None = None)
 
 
 def teardown() -> None:
-    """Destroy the process group if one exists (safe to call twice, or after a failure)."""
+    """Destroy the process group if one exists (safe to call twice, or after a failure), and
+    close the shared-memory channels made with it (``ssdsl.runtime.shm``)."""
+    from ssdsl.runtime import shm
+    shm.forget()
     if dist.is_initialized():
         dist.destroy_process_group()
 

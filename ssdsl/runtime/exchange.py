@@ -33,18 +33,22 @@ two tensors (in the other order, and IEEE addition commutes), so replicas that a
 gradients stay identical. It is not gloo's sum to the bit (another order of additions).
 
 Only the sum of a contiguous CPU tensor over a gloo group takes this path; NCCL groups, and
-everything else, call torch's collective. The messages use tag ``TAG``, which no program's
+everything else, call torch's collective. Between two ranks of one host the messages go through
+shared memory (``ssdsl.runtime.shm``), each group's under a tag of its own. The messages use tag ``TAG``, which no program's
 point-to-point message uses (theirs stay at or below ``ssdsl.lower.instr.MAX_TAG``: the
 checker's walk refuses a send beyond it).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from ssdsl.cost.collectives import exchange_rounds
 from ssdsl.lower.instr import MAX_TAG
+from ssdsl.runtime import shm
 
 # False: every all-reduce is torch's (benchmarks compare)
 ENABLED = True
@@ -96,8 +100,7 @@ class _Pending:
         self.buf, self.got = buf, torch.empty_like(buf)
         self.ranks, self.me, self.group = ranks, me, group
         peer = ranks[me ^ 1]
-        self.send = dist.isend(buf, peer, group=group, tag=TAG)  # the send first (above)
-        self.recv = dist.irecv(self.got, peer, group=group, tag=TAG)
+        self.send, self.recv = _post(buf, self.got, peer, group)
 
     def wait(self) -> bool:
         if self.send is not None:
@@ -115,9 +118,33 @@ class _Pending:
         return self.send is None
 
 
+def _post(buf: torch.Tensor, got: torch.Tensor, peer: int, group) -> tuple[Any, Any]:
+    """Send ``buf`` to ``peer`` and receive its tensor into ``got``, the send first (see the
+    module's text): through shared memory where ``peer`` shares this rank's host
+    (``ssdsl.runtime.shm``, under a tag of the group's own: gloo keeps groups apart, and ranks
+    may issue two groups' all-reduces in different orders), else gloo's."""
+    via = shm.route(group)
+    if via is not None and via[0].handles(peer, buf):
+        host, number = via
+        host.send(buf, peer, TAG + 1 + number)  # complete on return
+        return _DONE, host.irecv(got, peer, TAG + 1 + number)
+    return (dist.isend(buf, peer, group=group, tag=TAG),
+            dist.irecv(got, peer, group=group, tag=TAG))
+
+
+class _Done:
+    """A send through shared memory: complete when issued."""
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 def _swap_add(buf: torch.Tensor, got: torch.Tensor, peer: int, group) -> None:
-    send = dist.isend(buf, peer, group=group, tag=TAG)  # the send first: see the module's text
-    recv = dist.irecv(got, peer, group=group, tag=TAG)
+    send, recv = _post(buf, got, peer, group)
     send.wait()
     recv.wait()
     buf.add_(got)
@@ -140,6 +167,8 @@ def _reduce(buf: torch.Tensor, ranks: tuple[int, ...], me: int, group) -> None:
         bit <<= 1
     if me + p < n:
         dist.send(buf, ranks[me + p], group=group, tag=TAG)
+    # (nothing calls it over another size than a power of two, ``eligible``: the fold above
+    # stays on gloo)
 
 
 def all_reduce(buf: torch.Tensor, group=None, async_op: bool = False):

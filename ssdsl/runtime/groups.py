@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ssdsl.materialize.reducer import GradReducer
 from ssdsl.materialize.steps import Adapter, CollectiveStep
+from ssdsl.runtime import shm
 from ssdsl.runtime.shm import SameHost
 
 
@@ -49,6 +50,11 @@ class ProcessGroups:
         for members in sorted({tuple(sorted(s)) for s in device_sets}, key=lambda g: (len(g), g)):
             pgs._groups[members] = None if members == world else dist.new_group(list(members))
         pgs.same_host = SameHost.create()
+        if pgs.same_host is not None:  # the exchanges' messages too, a tag per group
+            shm.register(None, pgs.same_host, 0)
+            for number, members in enumerate(pgs._groups, start=1):
+                if pgs._groups[members] is not None:
+                    shm.register(pgs._groups[members], pgs.same_host, number)
         return pgs
 
     def get(self, members: Iterable[int]) -> object:

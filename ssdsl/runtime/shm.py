@@ -290,6 +290,25 @@ class _Receive:
         return self.done
 
 
-def handle_of(groups: Any) -> SameHost | None:
-    """The ``SameHost`` of a job's ``ProcessGroups`` (None: none, or no groups)."""
-    return getattr(groups, "same_host", None) if groups is not None else None
+# process group (the default one as ``dist.group.WORLD``) -> (the ``SameHost`` its members'
+# messages go through, the group's number): ``ProcessGroups.create`` registers its groups, in
+# the same order on every rank, so that the all-reduces by exchanges (``ssdsl.runtime.exchange``)
+# send through shared memory too, each group's messages under a tag of its own (gloo keeps each
+# group's messages apart; one FIFO per pair of ranks must not mix two groups' exchanges)
+_ROUTES: dict[Any, tuple[SameHost, int]] = {}
+
+
+def register(group: Any, host: SameHost, number: int) -> None:
+    _ROUTES[group if group is not None else dist.group.WORLD] = (host, number)
+
+
+def forget() -> None:
+    """Close every channel registered in this process (its process groups are going away)."""
+    for host in {id(h): h for h, _ in _ROUTES.values()}.values():
+        host.close()
+    _ROUTES.clear()
+
+
+def route(group: Any) -> tuple[SameHost, int] | None:
+    """The ``SameHost`` and number of ``group`` (None: the default group), or None."""
+    return _ROUTES.get(group if group is not None else dist.group.WORLD)
