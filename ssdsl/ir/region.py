@@ -176,6 +176,16 @@ class Region:
         ivs = tuple(_intersect_intervals(a, b) for a, b in zip(self.intervals, other.intervals))
         return attrs.evolve(self, intervals=ivs)
 
+    def overlaps(self, other: Region) -> bool:
+        """Whether the two regions share an element (spatially; no region is built)."""
+        for a, b in zip(self.intervals, other.intervals):
+            if len(a) == 1 and len(b) == 1:  # the common case: one interval each
+                if a[0][1] <= b[0][0] or b[0][1] <= a[0][0]:
+                    return False
+            elif not any(x0 < y1 and y0 < x1 for x0, x1 in a for y0, y1 in b):
+                return False
+        return True
+
     def contains(self, other: Region) -> bool:
         """Whether ``other`` lies spatially inside ``self``."""
         return self.intersect(other).intervals == other.intervals
@@ -205,12 +215,23 @@ class Region:
 
     def add_into(self, local: torch.Tensor, sub: Region, piece: torch.Tensor) -> None:
         """Add ``piece`` (``sub``'s local tensor) into ``local`` in place, at ``sub``'s positions."""
+        self._into(local, sub, piece, add=True)
+
+    def copy_into(self, local: torch.Tensor, sub: Region, piece: torch.Tensor) -> None:
+        """Write ``piece`` (``sub``'s local tensor) over ``local`` in place, at ``sub``'s
+        positions (``extract``'s inverse)."""
+        self._into(local, sub, piece, add=False)
+
+    def _into(self, local: torch.Tensor, sub: Region, piece: torch.Tensor, *, add: bool) -> None:
         self._check_local(local)
         if self._contiguous_in(sub):
             view = local
             for d, (first, n) in enumerate(self._narrow_args(sub)):
                 view = view.narrow(d, first, n)
-            view.add_(piece)
+            if add:
+                view.add_(piece)
+            else:
+                view.copy_(piece)
             return
         flat = torch.zeros((), dtype=torch.long, device=local.device)
         for d in range(self.ndim):
@@ -219,7 +240,10 @@ class Region:
             shape = [1] * self.ndim
             shape[d] = -1
             flat = flat * local.shape[d] + pos.view(shape)
-        local.view(-1).index_add_(0, flat.reshape(-1), piece.reshape(-1).to(local.dtype))
+        if add:
+            local.view(-1).index_add_(0, flat.reshape(-1), piece.reshape(-1).to(local.dtype))
+        else:
+            local.view(-1).index_copy_(0, flat.reshape(-1), piece.reshape(-1).to(local.dtype))
 
     def _contiguous_in(self, sub: Region) -> bool:
         return all(len(self.local_positions_runs(d, sub.intervals[d])) <= 1 for d in range(self.ndim))

@@ -28,8 +28,8 @@ from ssdsl.materialize.boundary import gather_boundary_reads
 from ssdsl.materialize.copies import copy_weight_reads
 from ssdsl.materialize.fanout import gather_fanouts
 from ssdsl.materialize.plan import plan_adapter
-from ssdsl.materialize.reducer import (GradReducer, Weight, ZeroSpec, module_unit,
-                                       plan_grad_reducer)
+from ssdsl.materialize.reducer import (GradReducer, Weight, ZeroSpec, holder_pieces,
+                                       module_unit, plan_grad_reducer)
 from ssdsl.materialize.steps import Adapter
 from ssdsl.transform.errors import UnsupportedDirective
 from ssdsl.transform.parts import Part, Transformed
@@ -163,10 +163,33 @@ def materialize(t: Transformed, *, dtype: torch.dtype = torch.float32,
     weights, scales = _weights(t, reads, dtype, partial)
     uses = {key: SourceUse(key[0], _region(t, key[0], p.sub.inputs[key[2]]), scales.get(key, 1.0))
             for key, p in reads.items()}
+    _check_sliced_zero(t, weights)
     reducer = plan_grad_reducer(weights, zero=zero_specs(t), gathers=2 * t.microbatches)
     _check_zero3(t, reducer, schedule)
     reducer = _keep_over(t, reducer, schedule)
     return Materialized(t, edges, uses, reducer, dtype, schedule, send_first)
+
+
+class SlicedZero(SsdslError):
+    """``zero`` over a weight whose copies hold overlapping but unequal regions: its gradient is
+    reduced piece by piece, as slices of larger leaves, which a ZeRO shard cannot be."""
+
+
+def _check_sliced_zero(t: Transformed, weights: list[Weight]) -> None:
+    """Refuse, at its line, a ``zero`` that would shard a piece of a weight summed piece by
+    piece (``_piece_weights``)."""
+    for z in zero_specs(t):
+        for w in weights:
+            devs = {d for d, _ in w.placements}
+            if w.sliced and len(devs) > 1 and w.name in z.weights and devs <= z.devices:
+                qual = t.graph.params.get(w.name, w.name)
+                raise SlicedZero(
+                    f"zero over devices {sorted(z.devices)}: the copies of {qual} hold "
+                    "overlapping but unequal regions (a partition nested in one part), whose "
+                    "gradients are summed piece by piece; ZeRO cannot shard those pieces",
+                    z.span, hint="leave this weight out of `zero` (`zero (all except ...) "
+                    "over ...`), or partition every part alike so that its copies hold equal "
+                    "regions")
 
 
 def zero_specs(t: Transformed) -> tuple[ZeroSpec, ...]:
@@ -359,7 +382,15 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
     weights: list[Weight] = []
     scales: dict[tuple, float] = {}
     unit = _units(t)
+    uneven = _unequal_overlaps(holders)
     for (name, region), by_device in holders.items():
+        if name in uneven:
+            if uneven[name]:  # the name's first region: all its pieces, here in the order
+                got, got_scales = _piece_weights(t, name, dtype, partial, unit(name))
+                weights.extend(got)
+                scales.update(got_scales)
+                uneven[name] = []
+            continue
         classes: dict[tuple, list[int]] = {}
         for device, sig in sorted(by_device.items()):
             classes.setdefault(tuple(sorted(set(sig))), []).append(device)
@@ -380,6 +411,89 @@ def _weights(t: Transformed, reads: Mapping[tuple[str, str, int, int, tuple], Pa
                               unit(name)))
         for key, p, _ in readers[(name, region)]:
             scales[key] = 1.0 / _copies(t, p, key[2], partial)
+    return weights, scales
+
+
+def _unequal_overlaps(holders: Mapping[tuple[str, Region], Any]
+                      ) -> dict[str, list[Region]]:
+    """The parameters whose held regions overlap without being equal (a partition nested in
+    one part of another split), each with its regions in order."""
+    regions: dict[str, list[Region]] = {}
+    for name, region in holders:
+        regions.setdefault(name, []).append(region)
+    out = {}
+    for name, regs in regions.items():
+        if any(a.intervals != b.intervals and a.overlaps(b)
+               for i, a in enumerate(regs) for b in regs[i + 1:]):
+            out[name] = regs
+    return out
+
+
+def _replica_fanout(t: Transformed, part: Part) -> int:
+    """How many copies of ``part``'s computation its ``replicate`` ancestors make: the product,
+    over the replica entries of its index, of how many siblings that level has."""
+    n = 1
+    for j, is_replica in enumerate(part.replica):
+        if is_replica:
+            prefix = part.index[:j]
+            n *= len({q.index[j] for q in t.parts[part.op]
+                      if len(q.index) > j and q.index[:j] == prefix})
+    return n
+
+
+def _piece_weights(t: Transformed, name: str, dtype: torch.dtype,
+                   partial: Mapping[str, Mapping[int, tuple[int, int]]], unit: str
+                   ) -> tuple[list[Weight], dict[tuple, float]]:
+    """The reducer's weights of a parameter whose copies hold overlapping, unequal regions:
+    one per piece on which the set of holders is constant (``holder_pieces``), summed over
+    exactly those holders; and the gradient scale of each of its reads.
+
+    Going down a part's partition tree, a split along a label the weight does not have
+    (``batch``) gives each child a partial sum of the gradient of every region it holds, a
+    split along one of its dims gives each child its own region, and a ``replicate`` gives each
+    child a copy. So the holders of a piece together cover each copy once per ``replicate``
+    fan-out on their path: each read counts ``1 / fan-out``, and the piece's gradient is the
+    sum over its holders. Refused where a device would hold two overlapping, different regions
+    of the weight (two leaves: no collective sums within a device) or a replica passes on a partial
+    gradient (``partial_gradient_replicas``)."""
+    held: dict[int, list[Region]] = {}
+    scales: dict[tuple, float] = {}
+    for op in t.graph.ops:
+        for slot, inp in enumerate(op.inputs):
+            if inp != name:
+                continue
+            for p in t.parts[op.name]:
+                if p.sub.inputs[slot] is None:
+                    continue
+                region = _region(t, name, p.sub.inputs[slot])
+                if op.name in partial:
+                    raise UnsupportedPlacement(
+                        f"the copies of weight '{name}' hold overlapping but unequal regions, "
+                        f"and operator '{op.name}' passes partial gradients to them: this "
+                        "runtime does not sum such gradients piece by piece",
+                        p.span or p.assigned_at,
+                        hint="partition every part of the operator alike, so that the copies "
+                             "hold equal regions")
+                mine = held.setdefault(p.device, [])
+                clash = next((r for r in mine if r != region and r.overlaps(region)), None)
+                if clash is not None:
+                    raise UnsupportedPlacement(
+                        f"device {p.device} holds two overlapping but different regions of "
+                        f"weight '{name}' ({clash!r} and {region!r}): their gradients would "
+                        "need a sum within one device, which this runtime does not do",
+                        p.assigned_at or p.span,
+                        hint="assign the parts that read overlapping regions of this weight "
+                             "to different devices")
+                if region not in mine:
+                    mine.append(region)
+                scales[(name, op.name, slot, p.device, p.index)] = 1.0 / _replica_fanout(t, p)
+    shape = t.shape(name)
+    # a holder is a leaf: (device, which of its regions), so that no piece spans two leaves
+    pieces = holder_pieces([((d, k), r) for d, regs in sorted(held.items())
+                            for k, r in enumerate(regs)])
+    weights = [Weight(name, shape, dtype, tuple((d, piece) for d, _ in leaves), unit,
+                      sliced=True)
+               for piece, leaves in pieces]
     return weights, scales
 
 

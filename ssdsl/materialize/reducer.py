@@ -5,6 +5,12 @@ Replicas of a weight region each compute a contribution to its gradient (each se
 or other partial sums); summing the contributions over the devices that hold the same region
 gives the gradient of the single-device model. Regions of one weight held by disjoint device sets
 (a tensor-parallel shard under data parallelism) are reduced separately, each over its own set.
+Copies of one weight whose regions overlap without being equal (a partition nested inside one
+part of a data-parallel split: the weight whole on one device, in halves on two others) are
+summed per piece (``holder_pieces``): the weight is cut into the coarsest pieces on which the set
+of devices holding it is constant, and each piece held by several devices is reduced over exactly
+those devices; a device whose leaf is larger than the piece reduces that slice of its gradient
+(``Weight.sliced``, ``ssdsl.runtime.executor``).
 Buckets group, per device set, the regions in the order given (the order in which the gradients
 are expected to be ready), up to ``bucket_bytes``; one all-reduce per bucket.
 
@@ -26,6 +32,8 @@ reduce-scatters its gradient after the last backward that reaches it (``ssdsl.lo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
+from typing import Any
 
 import attrs
 import torch
@@ -47,6 +55,9 @@ class Weight:
     dtype: torch.dtype
     placements: tuple[Placement, ...]
     unit: str = ""  # the module unit it belongs to (``module_unit``): stage-3 buckets follow it
+    # a piece of a weight some holder keeps inside a larger leaf (``holder_pieces``): its
+    # gradient is reduced as a slice of that leaf's, which ZeRO cannot shard
+    sliced: bool = False
 
 
 class NotDataParallel(SsdslError):
@@ -126,6 +137,62 @@ def shard_range(numel: int, members: int, index: int) -> tuple[int, int]:
     """
     chunk = -(-numel // members)
     return min(index * chunk, numel), min((index + 1) * chunk, numel)
+
+
+def holder_pieces(placements: Sequence[tuple[Any, Region]]) -> list[tuple[Region, tuple]]:
+    """The coarsest pieces of a weight on which the set of holders is constant, each with its
+    holders (sorted), for ``placements`` ``(holder, region)`` that may overlap unequally (a
+    holder: a device, or anything sortable that names a leaf).
+
+    Each dim is cut at every holder's interval bounds; the cells (the products of the cut
+    intervals that some holder covers) with the same holders are merged, two pieces at a time
+    where they differ in one dim only, until none merge. Pieces come in the order of their
+    first cell (row-major).
+
+    >>> full, top, bottom = (Region.full((4, 2)), Region.box((4, 2), [(0, 2), (0, 2)]),
+    ...                      Region.box((4, 2), [(2, 4), (0, 2)]))
+    >>> holder_pieces([(1, full), (0, top), (2, bottom)])
+    [(Region[0:2 x 0:2], (0, 1)), (Region[2:4 x 0:2], (1, 2))]
+    """
+    if not placements:
+        return []
+    shape = placements[0][1].shape
+    cuts: list[list[tuple[int, int]]] = []
+    for d in range(len(shape)):
+        bounds = sorted({b for _, r in placements for iv in r.intervals[d] for b in iv})
+        cuts.append(list(pairwise(bounds)))
+    cells: list[tuple[tuple[tuple[tuple[int, int], ...], ...], tuple]] = []
+
+    def walk(d: int, box: tuple[tuple[int, int], ...]) -> None:
+        if d == len(shape):
+            cell = Region(shape, tuple((iv,) for iv in box))
+            devs = tuple(sorted({dev for dev, r in placements if r.contains(cell)}))
+            if devs:
+                cells.append((tuple((iv,) for iv in box), devs))
+            return
+        for iv in cuts[d]:
+            walk(d + 1, (*box, iv))
+
+    walk(0, ())
+    pieces = [[list(ivs), devs] for ivs, devs in cells]
+    merged = True
+    while merged:
+        merged = False
+        for i in range(len(pieces)):
+            for j in range(i + 1, len(pieces)):
+                a, b = pieces[i], pieces[j]
+                if a[1] != b[1]:
+                    continue
+                differ = [d for d in range(len(shape)) if a[0][d] != b[0][d]]
+                if len(differ) <= 1:
+                    for d in differ:
+                        a[0][d] = tuple(sorted((*a[0][d], *b[0][d])))
+                    del pieces[j]
+                    merged = True
+                    break
+            if merged:
+                break
+    return [(Region(shape, tuple(ivs)), devs) for ivs, devs in pieces]
 
 
 @attrs.frozen

@@ -129,7 +129,9 @@ def finish_checkpoint(directory: str | Path, *, world: int, step: int, model: st
 
 
 def merge_shards(shards: Iterable[Shard]) -> dict[str, torch.Tensor]:
-    """Full tensors from shards (a region held by several ranks, a replica, is taken once)."""
+    """Full tensors from shards (a region held by several ranks, a replica, is taken once);
+    copies whose regions overlap unequally (a partition nested in one part) hold the same values
+    where they overlap: each is written over the tensor, never added."""
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[str, Region]] = set()
     for qual, region, t in shards:
@@ -137,7 +139,7 @@ def merge_shards(shards: Iterable[Shard]) -> dict[str, torch.Tensor]:
             continue
         seen.add((qual, region))
         full = out.setdefault(qual, torch.zeros(region.shape, dtype=t.dtype))
-        Region.full(region.shape).add_into(full, region, t)
+        Region.full(region.shape).copy_into(full, region, t)
     return out
 
 

@@ -50,6 +50,7 @@ from ssdsl.runtime import sender as sending
 from ssdsl.runtime import straight as straight_code
 from ssdsl.runtime import wgrad
 from ssdsl.runtime.reference import to_dtype
+from ssdsl.runtime.slots import Slot, pieces, slot_of, slots_of
 from ssdsl.runtime.train import OptimizerSpec, build_optimizer
 from ssdsl.runtime.zero import ZeroShard, model_state_bytes, optimizer_params, zero_shards
 from ssdsl.trace.model_file import ModelFile, ModelFileContract
@@ -243,6 +244,8 @@ class Runner(Handler):
         self._generated: dict[int, tuple[Program, Any]] = {}  # id(program) -> (it, its code)
         self._takes: dict[int, tuple] = {}  # id(TakeInput) -> (it, batch shape, index)
         self._leaves_of: dict[int, tuple[Any, RankState, list]] = {}  # id(bucket) -> leaves
+        # id(bucket) -> its entries' slots where some entry is a slice of a leaf, else None
+        self._slots_of: dict[int, tuple[Any, RankState, list[Slot] | None]] = {}
         # the values dropped from ``env`` before each backward that starts a walk (``liveness``)
         # of the program ``run`` walks, and of each program it walked
         self._dead: dict[int, tuple[Any, tuple[str, ...]]] = {}
@@ -735,7 +738,19 @@ class Runner(Handler):
                                               [self.state.leaves[e] for e in ins.entries])
         return got[2]
 
+    def _bucket_slots(self, ins) -> list[Slot] | None:
+        """The slots of bucket instruction ``ins``'s entries where one of them is a slice of a
+        leaf (a weight summed piece by piece, ``ssdsl.runtime.slots``), else None."""
+        got = self._slots_of.get(id(ins))
+        if got is None or got[0] is not ins or got[1] is not self.state:
+            got = self._slots_of[id(ins)] = (ins, self.state,
+                                             slots_of(self.state.leaves, ins.entries))
+        return got[2]
+
     def on_reduce(self, ins) -> Iterator[Wait]:
+        slots = self._bucket_slots(ins)
+        if slots is not None:
+            return (yield from self._reduce_slots(ins, slots))
         leaves = self._bucket_leaves(ins)
         grads = [leaf.grad if leaf.grad is not None else self._grad_of(e)
                  for leaf, e in zip(leaves, ins.entries)]
@@ -761,6 +776,24 @@ class Runner(Handler):
         if ins.zero:  # stage 1: every member keeps the whole gradient, steps only its chunk
             shard = self.zero[ins.bucket]
             shard.set_grad(w.result[shard.lo:offset])
+
+    def _reduce_slots(self, ins, slots: list[Slot]) -> Iterator[Wait]:
+        """A bucket some of whose entries are slices of this rank's leaves: the slices are
+        taken out, all-reduced with the rest (the same flat layout as every member's), and
+        written back (the reducer never shards such a bucket)."""
+        if ins.zero:
+            raise AssertionError("a ZeRO bucket with sliced entries (the reducer refuses it)")
+        grads = [s.grad() for s in slots]
+        flat = list(grads)
+        if ins.loss:
+            flat.append(self._my_loss_tensor(flat[0].dtype if flat else torch.float64))
+        w = Wait(self.rank, Coll("all_reduce", ins.group), ins, ("reduce", ins.bucket),
+                 payload=_flatten(flat))
+        yield from self.meet(w)
+        for slot, grad in zip(slots, pieces(w.result, [s.shape for s in slots])):
+            slot.put(grad)
+        if ins.loss:
+            self.loss_total = float(w.result[sum(g.numel() for g in grads)].item())
 
     def _reduce_scatter(self, ins, flat: torch.Tensor) -> Iterator[Wait]:
         """ZeRO stage 2: this rank keeps the reduced gradient of its chunk only."""
@@ -921,13 +954,15 @@ class DistRunner(Runner):
         bucket, _ = self.parts.order[k]
         leaves = self.parts.leaves[k]
         carrier = k == self.parts.carrier
-        flat = self._flat_of(("part", k), leaves, carrier)
+        sliced = self.parts.slots[k] is not None
+        flat = None if sliced else self._flat_of(("part", k), leaves, carrier)
         if flat is not None:
             buf = flat.fill(leaves, self._my_loss_piece() if carrier else None)
             self.counts["flat_reduced"] += 1
         else:
-            grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                     for leaf in leaves]
+            grads = ([s.grad() for s in self.parts.slots[k]] if sliced else
+                     [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                      for leaf in leaves])
             if carrier:
                 grads.append(self._my_loss_tensor(grads[0].dtype))
             buf = _flatten(grads)
@@ -948,7 +983,7 @@ class DistRunner(Runner):
     def on_reduce(self, ins) -> Iterator[Wait]:
         parts = self.started.pop(ins.bucket, None)
         if parts is None:
-            if ins.zero or len(ins.group) < 2:
+            if ins.zero or len(ins.group) < 2 or self._bucket_slots(ins) is not None:
                 return (yield from super().on_reduce(ins))
             leaves = self._bucket_leaves(ins)
             flat = self._flat_of(("bucket", ins.bucket), leaves, ins.loss)
@@ -966,8 +1001,12 @@ class DistRunner(Runner):
         for k, work, flat, buf in parts:
             work.wait()
             leaves = self.parts.leaves[k]
+            slots = self.parts.slots[k]
             if flat is not None:
                 flat.hand_out(leaves)
+            elif slots is not None:  # slices of leaves: written back into them
+                for slot, grad in zip(slots, pieces(buf, [s.shape for s in slots])):
+                    slot.put(grad)
             else:
                 # the reduced gradients are views of the part's buffer, which this rank alone
                 # holds until the next step's ``zero_grad`` drops them: no copy back
@@ -1171,7 +1210,8 @@ class RankProgram:
         """The buckets this rank reduces during its last backward (``ssdsl.runtime.overlap``),
         with what the runner needs of them."""
         reduces = {ins.bucket: ins for ins in self.program.instructions if ins.kind == "reduce"}
-        nbytes = {e: self.state.leaves[e].numel() * self.state.leaves[e].element_size()
+        # by the entry's region: the same on every member (a slice of a leaf counts its own)
+        nbytes = {e: e[1].numel() * slot_of(self.state.leaves, e).leaf.element_size()
                   for ins in reduces.values() for e in ins.entries}
         plan = overlap_plan(self.program, nbytes)
         runner = self.runner
@@ -1357,7 +1397,9 @@ def written_places(program: Program) -> frozenset[str]:
 
 
 def assemble(shards: list[tuple[str, Region, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Full parameters from every rank's shards (a region held by several ranks is taken once)."""
+    """Full parameters from every rank's shards (a region held by several ranks is taken once);
+    copies whose regions overlap unequally (a partition nested in one part) hold the same values
+    where they overlap: each is written over the tensor, never added."""
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[str, Region]] = set()
     for qual, region, t in shards:
@@ -1365,7 +1407,7 @@ def assemble(shards: list[tuple[str, Region, torch.Tensor]]) -> dict[str, torch.
             continue
         seen.add((qual, region))
         full = out.setdefault(qual, torch.zeros(region.shape, dtype=t.dtype))
-        Region.full(region.shape).add_into(full, region, t)
+        Region.full(region.shape).copy_into(full, region, t)
     return out
 
 

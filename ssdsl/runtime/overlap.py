@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ssdsl.lower.overlap import OverlapPlan, overlap_plan
+from ssdsl.runtime.slots import slots_of
 
 __all__ = ["OverlapPlan", "Parts", "overlap_plan"]
 
@@ -24,7 +25,12 @@ class Parts:
     def __init__(self, plan: OverlapPlan, entries: dict[int, tuple], leaves: dict,
                  start: Callable[[int], None], *, carrier: int | None = None) -> None:
         self.order = [(b, pos) for b, parts in plan.parts.items() for pos in parts]
-        self.leaves = [[leaves[entries[b][j]] for j in pos] for b, pos in self.order]
+        # per part, its entries' slots where one is a slice of a leaf (a weight summed piece
+        # by piece, ``ssdsl.runtime.slots``), else None; and the leaves the entries lie in
+        self.slots = [slots_of(leaves, [entries[b][j] for j in pos]) for b, pos in self.order]
+        self.leaves = [[leaves[entries[b][j]] for j in pos] if slots is None
+                       else [s.leaf for s in slots]
+                       for (b, pos), slots in zip(self.order, self.slots)]
         # the loss rides in the last part of the carrier bucket
         self.carrier = max((k for k, (b, _) in enumerate(self.order) if b == carrier),
                            default=None)
