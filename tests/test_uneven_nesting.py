@@ -13,12 +13,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
+from ssdsl.check import check_programs
+from ssdsl.check.program import GradientNotSummed
 from ssdsl.cli import main
 from ssdsl.ir.region import Region
-from ssdsl.materialize.reducer import Weight, holder_pieces, plan_grad_reducer
+from ssdsl.lower import lower_plan
+from ssdsl.materialize.reducer import GradReducer, Weight, holder_pieces, plan_grad_reducer
 from ssdsl.runtime import adapters
 from ssdsl.runtime.job import JobSpec, plan_job
 from tests.checked_run import assert_gloo_run_matches
@@ -105,6 +109,22 @@ def test_slices_of_a_leaf_are_reduced_into_it():
     torch.testing.assert_close(sim[1][("w", full)], want)
     torch.testing.assert_close(sim[0][("w", top)], want[:2])
     torch.testing.assert_close(sim[2][("w", bottom)], want[2:])
+
+
+# -- the program check: a piece held by several ranks and summed by none -------------------------
+
+def test_the_program_check_flags_a_piece_summed_nowhere(nested):
+    """Defense in depth: the same plan with the reducer's old answer (no bucket for layers.1)
+    lowers to programs that the program check refuses at a plan line."""
+    check_programs(lower_plan(nested).programs, m=nested)  # the fixed reducer passes
+    old = GradReducer(tuple(b for b in nested.reducer.buckets
+                            if all(n not in (W1, B1) for n, _ in b.entries)))
+    broken = attrs.evolve(nested, reducer=old)
+    with pytest.raises(GradientNotSummed) as err:
+        check_programs(lower_plan(broken).programs, m=broken)
+    assert err.value.span is not None and err.value.span.file.endswith(
+        "nested_uneven_dp_tp.ssp")
+    assert "layers_1" in err.value.message
 
 
 # -- refused at the plan's line ----------------------------------------------------------------

@@ -21,6 +21,13 @@ and buckets they were lowered from):
    (``ssdsl.lower.walk.run_all``): every send meets exactly one receive of the same tag and
    shape, every collective is issued by all members of its group in the same order, and the
    ranks cannot deadlock (sends never block; a collective is a meeting point of its group).
+4. *Gradient sums*: where the copies of a weight hold overlapping but unequal regions (a
+   partition nested in one part of a data-parallel split), every piece of it that several ranks
+   hold (``ssdsl.materialize.reducer.holder_pieces``) has its gradient summed over exactly those
+   ranks by their ``reduce`` instructions: otherwise each rank steps on its own share of the
+   gradient. (Copies with equal regions are left to the reducer: replicas that compute the
+   same whole gradient, as Megatron's layer norms, need no sum.) The walk of 3 notes on its way
+   the regions the programs take.
 
 Every error names the plan line behind the offending instruction.
 """
@@ -28,7 +35,7 @@ Every error names the plan line behind the offending instruction.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ssdsl.forking import Forked, can_fork, usable_cores
@@ -37,6 +44,7 @@ from ssdsl.lower.build import unit_order
 from ssdsl.lower.instr import Coll, P2P, reads, writes
 from ssdsl.lower.walk import (CollectiveMismatch, Exchange, MessageMismatch, ProgramDeadlock,
                               ProgramError, UnmatchedSend)
+from ssdsl.materialize.reducer import holder_pieces
 from ssdsl.source import Span
 
 
@@ -71,10 +79,15 @@ class GatherNotFreed(ProgramError):
     or waited for without a gather."""
 
 
+class GradientNotSummed(ProgramError):
+    """A piece of a weight that several ranks hold, as copies whose regions overlap unequally,
+    whose gradient no ``reduce`` sums over exactly those ranks."""
+
+
 __all__ = ["BadStepTail", "BadUnitStructure", "CollectiveMismatch", "GatherNotFreed",
-           "MessageMismatch", "OrderNotFollowed", "ParamsNotGathered", "ProgramDeadlock",
-           "ProgramError", "RecomputeCommunicates", "UndefinedValue", "UnmatchedSend",
-           "check_programs"]
+           "GradientNotSummed", "MessageMismatch", "OrderNotFollowed", "ParamsNotGathered",
+           "ProgramDeadlock", "ProgramError", "RecomputeCommunicates", "UndefinedValue",
+           "UnmatchedSend", "check_programs"]
 
 
 # a plan whose programs hold at least this many instructions in all has each program's own
@@ -103,7 +116,7 @@ def check_programs(programs: Sequence[Program], *, m: Any = None, jobs: int | No
         else:
             for p in programs:
                 _own(p, m)
-            _communication(programs)
+            _weight_sums(programs, _communication(programs))
     except ProgramError as err:
         if err.span is None:
             err.span = _any_span(programs)
@@ -122,7 +135,7 @@ def _check_forked(programs: tuple[Program, ...], m: Any, jobs: int) -> None:
     forked = Forked([functools.partial(_first_own_fault, programs, m, lo, hi)
                      for lo, hi in zip(bounds, bounds[1:])], what="checking programs")
     try:
-        _communication(programs)
+        held = _communication(programs)
         late = None
     except Exception as exc:  # noqa: BLE001 - a rank's own fault comes first (docstring)
         late = exc
@@ -131,6 +144,7 @@ def _check_forked(programs: tuple[Program, ...], m: Any, jobs: int) -> None:
             raise fault
     if late is not None:
         raise late
+    _weight_sums(programs, held)
 
 
 def _first_own_fault(programs: tuple[Program, ...], m: Any, lo: int, hi: int
@@ -418,17 +432,88 @@ def _reached_calls(p: Program, made_by: dict[str, int], starts) -> set[int]:
     return out
 
 
+# -- 4. gradient sums -----------------------------------------------------------------------------
+
+
+def _weight_sums(programs: Sequence[Program], held: Mapping[tuple[str, int], Any]) -> None:
+    """Every piece of a weight held by several ranks as unequal, overlapping regions is summed
+    over exactly its holders on each of them (4 of the module docstring). ``held``: the weight
+    regions the programs take (``_Abstract.held``, gathered by the walk of their
+    communication), which tell the weights to look at (usually none); a second pass reads
+    their holders and sums only."""
+    regions: dict[str, dict[tuple, Any]] = {}  # weight -> intervals -> a region
+    for (name, _), region in held.items():
+        regions.setdefault(name, {}).setdefault(region.intervals, region)
+    uneven = {name: list(regs.values()) for name, regs in regions.items()
+              if len(regs) > 1 and _unequal_overlap(list(regs.values()))}
+    if not uneven:
+        return
+    holders: dict[str, dict[tuple[int, Any], Any]] = {name: {} for name in uneven}
+    sums: dict[tuple[str, int], list[tuple[Any, frozenset[int]]]] = {}
+    for p in programs:
+        for ins in p.instructions:
+            if ins.kind == "param" and ins.tensor in uneven:
+                # a holder is a leaf: (rank, which region), so that no piece spans two
+                regs = uneven[ins.tensor]
+                i = next(j for j, r in enumerate(regs) if r.intervals == ins.region.intervals)
+                holders[ins.tensor].setdefault((p.rank, i), regs[i])
+            elif ins.kind == "reduce":
+                group = frozenset(ins.group)
+                for name, region in ins.entries:
+                    if name in uneven:
+                        sums.setdefault((name, p.rank), []).append((region, group))
+    for name, leaves in holders.items():
+        for piece, held_by in holder_pieces(list(leaves.items())):
+            ranks = frozenset(r for r, _ in held_by)
+            if len(ranks) < 2:
+                continue
+            for r, i in sorted(held_by):
+                covered = sum(e.intersect(piece).numel() for e, g in sums.get((name, r), ())
+                              if g == ranks)
+                if covered < piece.numel():
+                    raise GradientNotSummed(
+                        f"ranks {sorted(ranks)} hold {piece!r} of weight '{name}' (copies "
+                        f"whose regions overlap unequally), and rank {r} does not sum its "
+                        "gradient over them: each would step on its own share of the gradient",
+                        _param_span(next(p for p in programs if p.rank == r), name,
+                                    uneven[name][i]),
+                        hint="an ssdsl defect in the gradient reducer (please report it); "
+                             "partitioning every part of this operator alike avoids it")
+
+
+def _unequal_overlap(regions: list[Any]) -> bool:
+    """Whether two of ``regions`` (of one weight, distinct) overlap."""
+    return any(a.overlaps(b) for i, a in enumerate(regions) for b in regions[i + 1:])
+
+
+def _param_span(p: Program, name: str, region: Any) -> Span | None:
+    """The plan line of the first instruction of ``p`` that takes ``region`` of ``name``."""
+    for i, ins in enumerate(p.instructions):
+        if ins.kind == "param" and ins.tensor == name and ins.region.intervals == region.intervals:
+            return _near(p, i)
+    return None
+
+
 # -- 3. communication ----------------------------------------------------------------------------
 
 
-class _Abstract(Handler):
-    """A rank's communication without tensors: shapes only."""
+# the instruction kinds the walk of the communication looks at
+_WALKED = frozenset({"comm", "reduce", "gather", "gather_params", "loss_sum", "param"})
 
-    def __init__(self, rank: int, exchange: Exchange) -> None:
-        self.rank, self.exchange = rank, exchange
+
+class _Abstract(Handler):
+    """A rank's communication without tensors: shapes only. On the way, the weight regions
+    the programs take go into ``held`` (shared by every rank's handler, keyed by weight and
+    the region's identity: the plan makes each region once) for ``_weight_sums``."""
+
+    def __init__(self, rank: int, exchange: Exchange, held: dict[tuple[str, int], Any]
+                 ) -> None:
+        self.rank, self.exchange, self.held = rank, exchange, held
 
     def visit(self, ins: Any) -> Iterator[Wait] | None:
         k = ins.kind
+        if k not in _WALKED:  # most instructions (calls, backwards): one look-up, not six
+            return None
         if k == "comm":
             return self._comm(ins)
         if k == "reduce":
@@ -440,6 +525,8 @@ class _Abstract(Handler):
             return self._meet(Coll("all_gather", ins.group), ins, ("gather_params", ins.bucket))
         if k == "loss_sum":
             return self._meet(Coll("all_reduce", ins.group), ins, ("loss",))
+        if k == "param":
+            self.held[(ins.tensor, id(ins.region))] = ins.region
         return None
 
     def _meet(self, coll: Coll, ins: Any, ident: tuple) -> Iterator[Wait]:
@@ -461,6 +548,10 @@ class _Abstract(Handler):
                         yield Wait(self.rank, msg, ins, shape=msg.region.local_shape)
 
 
-def _communication(programs: Sequence[Program]) -> None:
+def _communication(programs: Sequence[Program]) -> dict[tuple[str, int], Any]:
+    """Walk the programs' communication (3 of the module docstring); the weight regions they
+    take (``_Abstract.held``)."""
     exchange = Exchange()
-    run_all({p.rank: walk(p, _Abstract(p.rank, exchange)) for p in programs}, exchange)
+    held: dict[tuple[str, int], Any] = {}
+    run_all({p.rank: walk(p, _Abstract(p.rank, exchange, held)) for p in programs}, exchange)
+    return held
