@@ -159,6 +159,16 @@ def test_uneven_nesting_matches_the_plain_model(capsys, plan, world):
     assert_gloo_run_matches(capsys, MLP, str(HAND / f"{plan}.ssp"), world)
 
 
+@pytest.mark.slow
+def test_uneven_nesting_of_a_gpt_mlp_matches_the_plain_model(capsys):
+    """h.0's MLP split Megatron-style (c_fc along out, c_proj along in) in batch part 0 only:
+    its weights and c_fc's bias held unevenly (c_fc's rows 64:128 summed over devices 1 and 2,
+    c_proj's columns 64:128 likewise); c_proj's bias, added by its first value part only, is an
+    equal copy on devices 0 and 1."""
+    assert_gloo_run_matches(capsys, ROOT / "examples" / "gpt.py",
+                            str(HAND / "nested_uneven_gpt_mlp.ssp"), 3)
+
+
 # -- the slices reduced in parts during the last backward (``ssdsl.runtime.overlap``) -----------
 
 LEVERS = {"ssdsl.lower.overlap:PART_BYTES": 2048, "ssdsl.lower.overlap:REST_PART_BYTES": 2048}
