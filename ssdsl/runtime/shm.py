@@ -2,17 +2,17 @@
 
 Gloo moves a message between two processes of one host over a loopback TCP connection: the
 sender's ``isend`` hands it to gloo's threads, which write it through the kernel's TCP stack,
-and the receiver's threads read it back out. Measured on this project's 2-core machine (one
-128 KiB tensor at a time, two ranks, torch 2.13): 220-260 us of CPU time a message on each
-side and 520 us from send to receipt. A pipeline's middle rank sends and receives 16 such
-messages a step on the peers' GPT at 4 micro-batches, several ms of CPU that ranks sharing
-cores pay in time.
+and the receiver's threads read it back out. Measured on this project's 2-core machine
+(``bench/bench_p2p.py``: one 128 KiB tensor passed back and forth between two ranks, torch
+2.13): 417-630 us of CPU time a message on each side and 942 us from send to receipt. A
+pipeline's middle rank sends and receives 16 such messages a step on the peers' GPT at 4
+micro-batches, several ms of CPU that ranks sharing cores pay in time.
 
 Here a message goes through a *slot*: a file in ``/dev/shm`` that both ranks map (torch's
 ``from_file(shared=True)``). The sender copies the tensor into a free slot of its size and
 writes a 24-byte record to a FIFO that the receiver reads; the receiver copies the slot out
-into its buffer and writes back a record that frees the slot. Measured the same way: 27-70 us
-of CPU a message on each side, 90-180 us from send to receipt. A send never waits for the
+into its buffer and writes back a record that frees the slot. Measured the same way: 43-65 us
+of CPU a message on each side, 94 us from send to receipt. A send never waits for the
 receiver: it takes a free slot, or maps a new one when every slot of that size is still
 unread (as many slots as messages in flight: one or two on a 1F1B boundary, not one per
 micro-batch).
