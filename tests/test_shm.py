@@ -153,3 +153,28 @@ def exchange_worker() -> list[str]:
 @pytest.mark.slow
 def test_exchanges_of_two_groups_through_shared_memory_keep_apart():
     assert launch(exchange_worker, nproc=4, timeout_s=300) == [[]] * 4
+
+
+def unread_worker() -> bool:
+    """Rank 0 sends a message rank 1 never receives: its slot stays in ``/dev/shm``."""
+    import torch.distributed as dist
+
+    from ssdsl.runtime.dist import distributed
+    from ssdsl.runtime.groups import ProcessGroups
+
+    with distributed(timeout_s=60) as ctx:
+        host = ProcessGroups.create([]).same_host
+        if ctx.rank == 0:
+            host.send(torch.ones(1000), 1, 7)
+        dist.barrier()
+        name = os.path.basename(host.base)
+        return any(f.startswith(name) for f in os.listdir(shm.DIRECTORY))
+
+
+@pytest.mark.slow
+def test_the_launcher_sweeps_what_its_ranks_left():
+    import uuid
+    job = "t" + uuid.uuid4().hex[:10]
+    left = launch(unread_worker, nproc=2, timeout_s=120, env={shm.JOB_VAR: job})
+    assert left == [True, True]  # the unread slot was there while the ranks ran
+    assert not [f for f in os.listdir(shm.DIRECTORY) if f.startswith(f"ssdsl-{job}-")]

@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -261,11 +262,14 @@ def launch(worker: Worker, *, nproc: int, args: Sequence[Any] = (),
         extra = dict(env or {})
         if dist_timeout_s is not None:
             extra[TIMEOUT_VAR] = str(dist_timeout_s)
+        from ssdsl.runtime import shm
+        shm_job = extra.setdefault(shm.JOB_VAR, uuid.uuid4().hex[:12])
         try:
             job.start(_rank_env(extra, nproc=nproc, port=store.port, launch_dir=job.dir))
             return job.wait(timeout_s)
         finally:
             job.kill_all()
+            shm.sweep(shm_job)  # what a killed rank left in /dev/shm
             del store
 
 

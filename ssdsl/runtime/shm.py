@@ -30,9 +30,12 @@ Which pairs: ``SameHost.create`` (collective, from ``ProcessGroups.create``) has
 a probe file in ``/dev/shm`` and says which other ranks' probes it sees; a pair talks through
 shared memory only where both see each other's (one host, one ``/dev/shm``: not two containers
 with separate ones) and both sides made their FIFO. Only CPU tensors go this way (a GPU's go
-through its backend); every other message, and every collective, is gloo's. The files are
-unlinked as soon as both ranks hold them open, so nothing is left in ``/dev/shm`` after a run,
-even one that is killed.
+through its backend). The all-reduces by pairwise exchanges (``ssdsl.runtime.exchange``) send
+through the same channels, each process group's messages under a tag of its own (``route``);
+gloo's own collectives stay gloo's. Every file is unlinked as soon as both ranks hold it open,
+so nothing is left in ``/dev/shm`` after a run; a slot a killed rank had not yet handed over is
+removed by ``ssdsl.runtime.launch`` once the ranks are gone (``sweep``: the files of one launch
+share a prefix). Under torchrun nothing sweeps.
 
 ``ENABLED = False``, or ``SSDSL_SHM=0`` in the environment, sends everything through gloo
 (benchmarks compare).
@@ -60,9 +63,29 @@ PIPE_BYTES = 1 << 20
 # how long a receive waits for its message before it says so (a peer that died)
 TIMEOUT_S = 1800.0
 
+# set by ``ssdsl.runtime.launch`` for the ranks of one launch: every file of their channels
+# starts with ``ssdsl-JOB-``, which the launcher sweeps once the ranks are gone (``sweep``)
+JOB_VAR = "SSDSL_SHM_JOB"
+
 _RECORD = struct.Struct("qqq")  # kind, tag, slot
 _DATA, _FREE = 1, 2
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Python 3.10+ names it; Linux only)
+
+
+def sweep(job: str) -> int:
+    """Remove what the ranks of launch ``job`` left in ``DIRECTORY`` (a slot a killed rank had
+    not yet handed over); how many files."""
+    if not job or not os.path.isdir(DIRECTORY):
+        return 0
+    n = 0
+    for name in os.listdir(DIRECTORY):
+        if name.startswith(f"ssdsl-{job}-"):
+            try:
+                os.unlink(os.path.join(DIRECTORY, name))
+                n += 1
+            except OSError:
+                pass
+    return n
 
 
 def wanted() -> bool:
@@ -117,7 +140,8 @@ class SameHost:
         gathered = all_gather_objects(mine)
         if not all(ok for ok, _ in gathered):
             return None
-        base = os.path.join(DIRECTORY, f"ssdsl-{gathered[0][1]}")
+        job = os.environ.get(JOB_VAR, "")
+        base = os.path.join(DIRECTORY, f"ssdsl-{job + '-' if job else ''}{gathered[0][1]}")
         probe = f"{base}-probe-{rank}"
         made: list[str] = []
         try:
