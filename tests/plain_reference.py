@@ -9,14 +9,18 @@ import torch
 from ssdsl.trace.model_file import load_model_file
 
 
-def plain_sgd(model_path: str, steps: int, lr: float) -> tuple[list[float], dict]:
-    """The losses of ``steps`` steps and the final state dict."""
+def plain_sgd(model_path: str, steps: int, lr: float, *, float_inputs: bool = False
+              ) -> tuple[list[float], dict]:
+    """The losses of ``steps`` steps and the final state dict; ``float_inputs``: the batch's
+    floating inputs in float64 too (as a float64 run casts them)."""
     mf = load_model_file(model_path)
     model = mf.build(seed=0).to(torch.float64)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for s in range(steps):
         inputs, target = mf.get_batch(s, mf.batch_size)
+        if float_inputs:
+            inputs = tuple(x.to(torch.float64) if x.is_floating_point() else x for x in inputs)
         opt.zero_grad()
         loss = mf.loss(model(*inputs), target)
         loss.backward()

@@ -193,20 +193,8 @@ def overlap_worker(plan: str, steps: int) -> tuple[list[float], dict, dict]:
 
 def _plain_sgd(steps: int, lr: float) -> tuple[list[float], dict]:
     """``tests.plain_reference.plain_sgd`` with the MLP's float inputs in float64 too."""
-    from ssdsl.trace.model_file import load_model_file
-
-    mf = load_model_file(str(MLP))
-    model = mf.build(seed=0).to(torch.float64)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for s in range(steps):
-        inputs, target = mf.get_batch(s, mf.batch_size)
-        opt.zero_grad()
-        loss = mf.loss(model(*(x.to(torch.float64) for x in inputs)), target)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+    from tests.plain_reference import plain_sgd
+    return plain_sgd(str(MLP), steps, lr, float_inputs=True)
 
 
 @pytest.mark.slow

@@ -757,12 +757,7 @@ class Runner(Handler):
         if ins.zero >= 2:
             yield from self._reduce_scatter(ins, _flatten(grads))
             return
-        flat = list(grads)
-        if ins.loss:
-            flat.append(self._my_loss_tensor(flat[0].dtype if flat else torch.float64))
-        w = Wait(self.rank, Coll("all_reduce", ins.group), ins, ("reduce", ins.bucket),
-                 payload=_flatten(flat))
-        yield from self.meet(w)
+        w = yield from self._meet_bucket(ins, grads)
         if grads and ins.zero:
             torch._foreach_copy_(grads, _unflatten(w.result, grads))
         elif grads:
@@ -777,6 +772,17 @@ class Runner(Handler):
             shard = self.zero[ins.bucket]
             shard.set_grad(w.result[shard.lo:offset])
 
+    def _meet_bucket(self, ins, grads: list[torch.Tensor]) -> Iterator[Wait]:
+        """The all-reduce of bucket ``ins``: ``grads`` flat, with this rank's share of the loss
+        at the end where the bucket carries it; the met ``Wait`` (its ``result``)."""
+        flat = list(grads)
+        if ins.loss:
+            flat.append(self._my_loss_tensor(flat[0].dtype if flat else torch.float64))
+        w = Wait(self.rank, Coll("all_reduce", ins.group), ins, ("reduce", ins.bucket),
+                 payload=_flatten(flat))
+        yield from self.meet(w)
+        return w
+
     def _reduce_slots(self, ins, slots: list[Slot]) -> Iterator[Wait]:
         """A bucket some of whose entries are slices of this rank's leaves: the slices are
         taken out, all-reduced with the rest (the same flat layout as every member's), and
@@ -784,12 +790,7 @@ class Runner(Handler):
         if ins.zero:
             raise AssertionError("a ZeRO bucket with sliced entries (the reducer refuses it)")
         grads = [s.grad() for s in slots]
-        flat = list(grads)
-        if ins.loss:
-            flat.append(self._my_loss_tensor(flat[0].dtype if flat else torch.float64))
-        w = Wait(self.rank, Coll("all_reduce", ins.group), ins, ("reduce", ins.bucket),
-                 payload=_flatten(flat))
-        yield from self.meet(w)
+        w = yield from self._meet_bucket(ins, grads)
         for slot, grad in zip(slots, pieces(w.result, [s.shape for s in slots])):
             slot.put(grad)
         if ins.loss:
