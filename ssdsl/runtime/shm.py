@@ -260,19 +260,14 @@ class SameHost:
 
     # -- the FIFOs ---------------------------------------------------------------------------
     def _write(self, p: _Peer, kind: int, tag: int, slot: int) -> None:
-        record = _RECORD.pack(kind, tag, slot)
-        while True:
-            try:
-                os.write(p.out_fd, record)
-                return
-            except BlockingIOError:  # pragma: no cover - the out end is blocking
-                select.select([], [p.out_fd], [])
+        os.write(p.out_fd, _RECORD.pack(kind, tag, slot))  # blocking, whole (under PIPE_BUF)
 
     def _pump(self, p: _Peer, *, block: bool) -> None:
         """Read every record the peer wrote so far (with ``block``, wait for one at least)."""
         if block:
-            ready, _, _ = select.select([p.in_fd], [], [], TIMEOUT_S)
-            if not ready:
+            waiting = select.poll()  # not select(): a busy process's fds pass FD_SETSIZE
+            waiting.register(p.in_fd, select.POLLIN)
+            if not waiting.poll(TIMEOUT_S * 1000):
                 raise TimeoutError(f"rank {self.rank} waited {TIMEOUT_S:.0f} s for a message "
                                    f"from rank {p.rank}")
         try:
