@@ -780,9 +780,13 @@ def _inspect_stack(frame: Any) -> tuple[str | None, str]:
     while frame is not None:
         code = frame.f_code
         name = code.co_filename.replace("\\", "/")
-        if op is None and ("/torch/distributed/" in name or name.endswith(_COMM_FILES)):
-            # the exchange's helpers (``_swap_add``, ``wait``) are an all-reduce to the user
-            op = "all_reduce" if name.endswith("/exchange.py") else code.co_name
+        if name.endswith("/exchange.py"):
+            # the exchange's helpers (``_swap_add``, ``wait``), and the shared-memory receive
+            # they wait in, are an all-reduce to the user
+            op = "all_reduce"
+        elif op is None and ("/torch/distributed/" in name or name.endswith(_COMM_FILES)):
+            # a receive through shared memory (``shm._take``, ``_pump``) is a receive
+            op = "recv" if name.endswith("/shm.py") else code.co_name
         if not where and not any(part in name for part in _OWN_FILES):
             where = f"{Path(name).name}:{frame.f_lineno} in {code.co_name}"
         frame = frame.f_back
